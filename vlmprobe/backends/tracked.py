@@ -1,0 +1,56 @@
+"""Backends without a GPU: the tracker counts live storage bytes while the step runs with CUDA's choices.
+
+Both make the choices CUDA would make (the optimizer implementation in step.make_optimizer, CUDA's autocast
+op policy); `cpu` runs real CPU tensors and `estimate` fake ones. With the same program on both, the cpu
+backend proves the fake bookkeeping: the two must agree to the byte.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import platform
+
+from vlmprobe.autocast_policy import cuda_autocast_policy
+from vlmprobe.backends.base import Backend
+from vlmprobe.tracker import LiveBytesTracker
+
+
+class TrackerMeter:
+    def __init__(self, tracker: LiveBytesTracker):
+        self.tracker = tracker
+
+    def sync(self) -> None:
+        """CPU ops are synchronous: nothing is queued."""
+
+    def current(self) -> int:
+        return self.tracker.current
+
+    def peaks(self) -> dict[str, int]:
+        return {"allocated": self.tracker.peak}
+
+    def reset_peak(self) -> None:
+        self.tracker.reset_peak()
+
+
+class TrackedBackend(Backend):
+    device_type = "cpu"
+    isolate = False  # no device allocator to leak state between points; the tracker starts at zero
+
+    def __init__(self, name: str, fake: bool):
+        self.name = name
+        self.fake = fake
+
+    @contextlib.contextmanager
+    def session(self, capacity):
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(cuda_autocast_policy())
+            if self.fake:
+                from torch._subclasses.fake_tensor import FakeTensorMode
+
+                # allow_non_fake_inputs: module buffers made from Python constants may be real
+                stack.enter_context(FakeTensorMode(allow_non_fake_inputs=True))
+            tracker = stack.enter_context(LiveBytesTracker(capacity))
+            yield TrackerMeter(tracker)
+
+    def describe(self) -> dict:
+        return {"backend": self.name, "device_name": f"{platform.machine()} CPU ({'fake' if self.fake else 'real'} tensors)"}

@@ -1,0 +1,108 @@
+"""What every model family provides to the worker, and the build helpers they share."""
+
+from __future__ import annotations
+
+import abc
+import contextlib
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from vlmprobe.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class DataShape:
+    """The input sizes of one grid point (the `data` config group, validated)."""
+
+    batch_size: int = 0  # samples per optimizer step (micro batch); 0 = not given, rejected
+    lm_max_length: int = 0  # whole LM sequence per sample, image tokens included; 0 = not given, rejected
+    image_size: int | None = None  # pixels per image side; None = the model's native size
+    images_per_sample: int = 1
+    max_pixels: int | None = None  # Qwen-style cap on H*W per image; None = the model's
+    min_pixels: int | None = None  # Qwen-style floor on H*W per image; None = the model's
+
+    @classmethod
+    def from_config(cls, data) -> "DataShape":
+        shape = cls(**{k: data[k] for k in cls.__dataclass_fields__ if k in data})
+        for name in ("batch_size", "lm_max_length", "images_per_sample"):
+            value = getattr(shape, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ConfigError(f"data.{name}={value!r} is not allowed: it must be a positive integer")
+        for name in ("image_size", "max_pixels", "min_pixels"):
+            value = getattr(shape, name)
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value <= 0):
+                raise ConfigError(f"data.{name}={value!r} is not allowed: it must be a positive integer or null")
+        return shape
+
+
+class ModelSpec(abc.ABC):
+    """A model family with its hyperparameters. Subclasses are Hydra `_target_`s."""
+
+    name: str
+
+    native_image_size: int  # px per side when data.image_size is null
+
+    def image_size(self, data: DataShape) -> int:
+        """Pixels per image side this point asks for."""
+        return data.image_size or self.native_image_size
+
+    @abc.abstractmethod
+    def image_tokens(self, data: DataShape) -> int:
+        """LM tokens that one sample's images occupy. Raises ConfigError for sizes the model cannot take."""
+
+    def validate(self, data: DataShape) -> None:
+        """Raise ConfigError (one line) if this model cannot run `data`; cheap, no torch work."""
+        tokens = self.image_tokens(data)
+        if tokens >= data.lm_max_length:
+            raise ConfigError(
+                f"data.lm_max_length={data.lm_max_length} is too short for {self.name}: the images take "
+                f"{tokens} tokens, so it must be at least {tokens + 1}"
+            )
+
+    @abc.abstractmethod
+    def _construct(self) -> nn.Module:
+        """Create the module (called under the device, dtype and no-init contexts)."""
+
+    @abc.abstractmethod
+    def batch(self, data: DataShape, device: torch.device) -> dict:
+        """Forward kwargs (with labels) for one synthetic micro batch: shapes decide memory, content does not."""
+
+    @abc.abstractmethod
+    def loss(self, model: nn.Module, batch: dict) -> torch.Tensor:
+        """The training loss of `batch`, as the family's own training code computes it."""
+
+    def build(self, device: torch.device | str, dtype: torch.dtype, *, init: bool = True) -> nn.Module:
+        """The model with random weights, created directly on `device` in `dtype`.
+
+        Construction skips transformers' weight init (an 8B model is never initialised on the CPU, and fake
+        tensors cannot run data-dependent init); `init=True` then fills the weights in place on the target
+        device, which allocates nothing new. Weights do not change memory, only shapes do.
+        """
+        from transformers.initialization import no_init_weights
+
+        with torch.device(device), default_dtype(dtype), no_init_weights():
+            model = self._construct()
+        if init:
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.normal_(0.0, 0.02)
+        return model
+
+
+@contextlib.contextmanager
+def default_dtype(dtype: torch.dtype):
+    """Create floating tensors in `dtype` (modules read the default at construction)."""
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)
+
+
+def count_params(model: nn.Module) -> tuple[int, int]:
+    """(all, trainable) parameters; `parameters()` yields a tied tensor once, so tied embeddings count once."""
+    params = list(model.parameters())
+    return sum(p.numel() for p in params), sum(p.numel() for p in params if p.requires_grad)

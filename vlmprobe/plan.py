@@ -1,0 +1,146 @@
+"""Compose and validate every point of a sweep before anything runs, and describe each point's inputs.
+
+Each point is the command line's config plus the point's overrides, composed by Hydra (so group axes such
+as `model` work like any override). Validation turns every bad value into one ConfigError line; the
+parameter counts come from the model built on the meta device (no memory, milliseconds even for 7B).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import re
+from dataclasses import dataclass
+
+from omegaconf import OmegaConf
+
+from vlmprobe.errors import ConfigError
+from vlmprobe.grid import Point, expand, flatten_axes
+
+DTYPE_NAMES = ("float32", "bfloat16", "float16")
+_SIZE = re.compile(r"^\s*([\d.]+)\s*(B|KiB|MiB|GiB|TiB)?\s*$")
+_UNITS = {None: 1, "B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40}
+
+
+@dataclass
+class PlannedPoint:
+    point: Point
+    config: dict  # the composed config of this point, resolved, plain data
+    inputs: dict  # the row's input columns
+
+
+def parse_bytes(value, key: str) -> int | None:
+    """An int of bytes, or a string like '24GiB' (1024-based units)."""
+    if value is None:
+        return None
+    match = _SIZE.match(str(value))
+    if isinstance(value, bool) or not match or float(match.group(1)) <= 0:
+        raise ConfigError(f"{key}={value!r} is not allowed: give bytes or a size like 24GiB (units B, KiB, MiB, GiB, TiB)")
+    return int(float(match.group(1)) * _UNITS[match.group(2)])
+
+
+def check_axis_keys(base: dict, axes: dict, overrides: list[str]) -> None:
+    """Every axis names a config key or a config group, and is not also set on the command line."""
+    set_keys = {o.split("=", 1)[0].lstrip("+~") for o in overrides}
+    for key in flatten_axes(axes):
+        node = base
+        for part in key.split("."):
+            if not isinstance(node, dict) or part not in node:
+                raise ConfigError(
+                    f"sweep axis {key!r} is not allowed: it is not a key of the config (e.g. data.batch_size, "
+                    f"data.lm_max_length, data.image_size, train.param_dtype, model)"
+                )
+            node = node[part]
+        if key in set_keys:
+            raise ConfigError(f"{key} is both swept and set on the command line: set the axis instead, "
+                              f"e.g. sweep.axes.{key}=[value]")
+
+
+def compose_points(compose, overrides: list[str], base: dict) -> list[tuple[Point, dict]]:
+    """(point, composed config) for each grid point; `compose(overrides) -> DictConfig` is Hydra's."""
+    axes = base["sweep"]["axes"] or {}
+    check_axis_keys(base, axes, overrides)
+    composed = []
+    for point in expand(axes):
+        try:
+            cfg = compose(overrides + point.overrides)
+        except Exception as exc:  # Hydra's composition errors: one line naming the point
+            message = str(exc).strip().splitlines()[0]
+            raise ConfigError(f"point {point.id}: {message}") from None
+        cfg = OmegaConf.to_container(cfg, resolve=True)
+        cfg.pop("hydra", None)
+        composed.append((point, cfg))
+    return composed
+
+
+@functools.lru_cache(maxsize=None)
+def _describe_model(model_json: str, train_json: str) -> dict:
+    """Parameter counts and optimizer label from the model built on the meta device."""
+    import torch
+    from hydra.utils import instantiate
+
+    from vlmprobe.models.base import count_params
+    from vlmprobe.step import make_optimizer
+    from vlmprobe.worker import DTYPES, build_spec
+
+    train = json.loads(train_json)
+    spec = build_spec(json.loads(model_json))
+    model = spec.build(torch.device("meta"), DTYPES[train["param_dtype"]], init=False)
+    params, trainable = count_params(model)
+    _, label = make_optimizer(instantiate(train["optimizer"], _convert_="all"),
+                              [p for p in model.parameters() if p.requires_grad])
+    return {"params": params, "trainable_params": trainable, "optimizer": label}
+
+
+@functools.lru_cache(maxsize=None)
+def _resolve_backend(name: str) -> str:
+    from vlmprobe import backends
+
+    return backends.resolve(name)[0]
+
+
+def validate_point(cfg: dict, point: Point) -> dict:
+    """Check one composed point; return its input columns. Raises ConfigError (one line)."""
+    from vlmprobe.models.base import DataShape
+    from vlmprobe.worker import build_spec
+
+    train, measure = cfg["train"], cfg["measure"]
+    measure["backend"] = _resolve_backend(measure["backend"])
+    if train["param_dtype"] not in DTYPE_NAMES:
+        raise ConfigError(f"train.param_dtype={train['param_dtype']!r} is not allowed: use one of {', '.join(DTYPE_NAMES)}")
+    if train["autocast_dtype"] not in (*DTYPE_NAMES[1:], None):
+        raise ConfigError(f"train.autocast_dtype={train['autocast_dtype']!r} is not allowed: use bfloat16, float16 or null")
+    steps = measure["steps"]
+    if not isinstance(steps, int) or isinstance(steps, bool) or steps <= 0:
+        raise ConfigError(f"measure.steps={steps!r} is not allowed: it must be a positive integer")
+    measure["device_memory"] = parse_bytes(measure["device_memory"], "measure.device_memory")
+    data = DataShape.from_config(cfg["data"])
+    try:
+        spec = build_spec(cfg["model"])
+    except Exception as exc:
+        raise ConfigError(f"model {cfg['model'].get('name', '?')!r} could not be built from its config: {exc}") from None
+    spec.validate(data)
+    described = _describe_model(json.dumps(cfg["model"], sort_keys=True), json.dumps(train, sort_keys=True))
+    inputs = {
+        "sweep": cfg["sweep"]["name"],
+        "point_id": point.id,
+        "model": spec.name,
+        **described,
+        "dtype": train["param_dtype"],
+        "autocast_dtype": train["autocast_dtype"],
+        "batch_size": data.batch_size,
+        "lm_max_length": data.lm_max_length,
+        "image_size": spec.image_size(data),
+        "images_per_sample": data.images_per_sample,
+        "max_pixels": data.max_pixels,
+        "image_tokens": spec.image_tokens(data),
+        "steps": steps,
+    }
+    for key, value in point.values.items():  # every swept key has a column, named by its config path
+        if key.split(".")[-1] not in inputs:
+            inputs[key] = value if not isinstance(value, (dict, list)) else json.dumps(value)
+    return inputs
+
+
+def plan(compose, overrides: list[str], base: dict) -> list[PlannedPoint]:
+    return [PlannedPoint(point, cfg, validate_point(cfg, point)) for point, cfg in compose_points(compose, overrides, base)]

@@ -1,0 +1,99 @@
+"""Rows on disk: the schema, the CSV appended after every point, and the tables made from it at the end.
+
+One row per point, one column per variable; memory figures are integers in bytes (an empty cell is a value
+the backend cannot know, never zero). Reports show MiB/GiB, 1024-based.
+"""
+
+from __future__ import annotations
+
+import csv
+import os
+from pathlib import Path
+
+import pandas as pd
+
+INPUT_COLUMNS = [
+    "sweep", "point_id", "model", "params", "trainable_params", "dtype", "autocast_dtype", "optimizer",
+    "batch_size", "lm_max_length", "image_size", "images_per_sample", "max_pixels", "image_tokens", "steps",
+]
+OUTPUT_COLUMNS = [
+    "backend", "status",
+    "peak_allocated_bytes",  # max over all steps: what measure_vram.py's max_memory_allocated reports
+    "last_step_peak_allocated_bytes",  # the steady-state step (optimizer state already allocated)
+    "peak_reserved_bytes", "last_step_peak_reserved_bytes", "peak_active_bytes",
+    "num_alloc_retries", "num_ooms", "nvml_used_bytes", "nvml_process_bytes",
+    "after_load_bytes", "forward_peak_bytes", "backward_peak_bytes", "optimizer_peak_bytes", "peak_phase",
+    "params_bytes", "grads_bytes", "optimizer_state_bytes", "activations_bytes",
+    "oom_request_bytes", "step_time_s", "error",
+]
+STATUSES = ("ok", "oom", "error", "timeout", "crash")
+MiB, GiB = 2**20, 2**30
+
+
+def columns_for(axis_columns: list[str]) -> list[str]:
+    return INPUT_COLUMNS + [c for c in axis_columns if c not in INPUT_COLUMNS] + OUTPUT_COLUMNS
+
+
+class RowWriter:
+    """Appends one CSV row per finished point and flushes it to disk at once, so a sweep killed at any
+    moment keeps every row it finished. On resume it keeps the existing header."""
+
+    def __init__(self, path: Path, columns: list[str]):
+        self.path = path
+        if path.exists() and path.stat().st_size:
+            with path.open(newline="") as f:
+                columns = next(csv.reader(f))
+        else:
+            with path.open("w", newline="") as f:
+                csv.writer(f).writerow(columns)
+        self.columns = columns
+
+    def append(self, row: dict) -> None:
+        unknown = set(row) - set(self.columns)
+        if unknown:
+            raise ValueError(f"row has columns the results file does not: {sorted(unknown)}")
+        with self.path.open("a", newline="") as f:
+            csv.DictWriter(f, self.columns).writerow(row)
+            f.flush()
+            os.fsync(f.fileno())
+
+
+def finished_ids(path: Path) -> set[str]:
+    """Point ids that already have a row."""
+    if not path.exists():
+        return set()
+    return set(read_table(path)["point_id"].astype(str))
+
+
+def read_table(path: Path) -> pd.DataFrame:
+    """The CSV as typed columns: byte figures and counts as nullable integers. A last line cut short by a
+    kill mid-write is dropped."""
+    table = pd.read_csv(path, on_bad_lines="skip", engine="python")
+    for column in table.columns:
+        if column.endswith("_bytes") or column in ("params", "trainable_params", "num_alloc_retries", "num_ooms"):
+            table[column] = pd.to_numeric(table[column], errors="coerce").astype("Int64")
+    return table.dropna(subset=["status"])
+
+
+def mib(value) -> str:
+    return "" if pd.isna(value) else f"{value / MiB:,.1f}"
+
+
+def pivot(table: pd.DataFrame, axes: list[str], value: str = "peak_allocated_bytes") -> pd.DataFrame:
+    """Peak MiB with rows = batch size (or the first axis) and columns = the other swept axes; a point that
+    did not finish shows its status in capitals."""
+    cells = table.apply(lambda r: mib(r[value]) if r["status"] == "ok" else r["status"].upper(), axis=1)
+    row_key = "batch_size" if "data.batch_size" in axes or not axes else _column(axes[0])
+    others = [_column(a) for a in axes if _column(a) != row_key]
+    frame = table.assign(cell=cells)
+    if not others:
+        return frame.set_index(row_key)[["cell"]].rename(columns={"cell": "peak MiB"})
+    frame["columns"] = frame[others].astype(str).apply(
+        lambda r: ", ".join(f"{k}={v}" for k, v in zip(others, r)), axis=1)
+    return frame.pivot_table(index=row_key, columns="columns", values="cell", aggfunc="first", sort=False)
+
+
+def _column(axis: str) -> str:
+    """The row column an axis lands in (data.batch_size -> batch_size; others keep their dotted name)."""
+    leaf = axis.split(".")[-1]
+    return leaf if leaf in INPUT_COLUMNS else axis

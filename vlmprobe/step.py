@@ -1,0 +1,113 @@
+"""The training step that is measured: zero_grad -> forward (autocast) -> backward -> optimizer.step.
+
+The same code runs on every backend; the backend's meter says how many bytes are live and what the peak
+was. Phase marks reset the peak at each boundary, so each phase has its own peak and the max over all
+phases of all steps is the peak over the whole run (what measure_vram.py's max_memory_allocated reports).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import time
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+
+PHASES = ("forward", "backward", "optimizer")
+
+
+class Meter(Protocol):
+    def sync(self) -> None:
+        """Wait until queued device work is done, so the figures below include it."""
+
+    def current(self) -> int:
+        """Bytes allocated now."""
+
+    def peaks(self) -> dict[str, int]:
+        """Peak figures since the last reset_peak(); 'allocated' is always there."""
+
+    def reset_peak(self) -> None:
+        """Start a new peak window at the current figures."""
+
+
+@dataclass
+class StepReport:
+    peaks: dict[str, int] = field(default_factory=dict)  # each peak figure over all steps
+    last_step_peaks: dict[str, int] = field(default_factory=dict)  # each peak figure over the last step
+    phase_peaks: dict[str, int] = field(default_factory=dict)  # peak allocated per phase, max over steps
+    peak_phase: str = ""  # the phase that holds the overall allocated peak
+    activations_bytes: int = 0  # bytes the last forward left live for backward (saved tensors, logits, loss)
+    grads_bytes: int = 0
+    optimizer_state_bytes: int = 0
+    step_time_s: float = 0.0  # wall time of the last step
+
+
+def make_optimizer(partial, params) -> tuple[torch.optim.Optimizer, str]:
+    """Instantiate the optimizer with the implementation CUDA would pick, and a label for the row.
+
+    torch picks foreach kernels by default only for CUDA tensors; to make every backend run what CUDA runs,
+    an optimizer that takes `foreach` and is given neither `foreach` nor `fused` gets foreach=True.
+    """
+    accepted = inspect.signature(partial.func).parameters
+    chosen = {k: partial.keywords.get(k) for k in ("foreach", "fused") if k in accepted}
+    if "foreach" in chosen and not any(chosen.values()):
+        partial.keywords["foreach"] = True
+        chosen["foreach"] = True
+    impl = next((k for k, v in chosen.items() if v), "single_tensor" if chosen else "")
+    name = partial.func.__name__
+    return partial(params), f"{name}({impl})" if impl else name
+
+
+def state_bytes(optimizer: torch.optim.Optimizer, device_type: str) -> int:
+    """Bytes of optimizer state tensors (not AdamW's scalar `step` counters, which CUDA keeps on the CPU)."""
+    return sum(
+        t.untyped_storage().nbytes()
+        for state in optimizer.state.values()
+        for t in state.values()
+        if isinstance(t, torch.Tensor) and t.device.type == device_type and t.dim() > 0
+    )
+
+
+def train_steps(spec, model, batch, optimizer, meter: Meter, steps: int, autocast, report: StepReport) -> None:
+    """Run `steps` training steps, filling `report` as they go (so an out-of-memory leaves what was
+    measured before it); `autocast` is a zero-arg factory of the forward's autocast context."""
+    meter.sync()
+    meter.reset_peak()  # the peak window opens after load: the model and batch are in `current`
+
+    def close_phase(step_peaks: dict[str, int], phase: str) -> None:
+        meter.sync()  # kernels queued in this phase must be done before the peak is read
+        peaks = meter.peaks()
+        report.phase_peaks[phase] = max(report.phase_peaks.get(phase, 0), peaks["allocated"])
+        for key, value in peaks.items():
+            step_peaks[key] = max(step_peaks.get(key, 0), value)
+        meter.reset_peak()
+
+    for _ in range(steps):
+        step_peaks: dict[str, int] = {}
+        started = time.perf_counter()
+        optimizer.zero_grad(set_to_none=True)
+        before_forward = meter.current()
+        with autocast():
+            loss = spec.loss(model, batch)
+        close_phase(step_peaks, "forward")
+        report.activations_bytes = meter.current() - before_forward
+        loss.backward()
+        close_phase(step_peaks, "backward")
+        report.grads_bytes = sum(p.grad.untyped_storage().nbytes() for p in model.parameters() if p.grad is not None)
+        optimizer.step()
+        close_phase(step_peaks, "optimizer")
+        report.step_time_s = time.perf_counter() - started
+        report.last_step_peaks = step_peaks
+        for key, value in step_peaks.items():
+            report.peaks[key] = max(report.peaks.get(key, 0), value)
+    report.peak_phase = max(PHASES, key=lambda p: report.phase_peaks[p])
+    report.optimizer_state_bytes = state_bytes(optimizer, next(model.parameters()).device.type)
+
+
+def autocast_factory(device_type: str, dtype: torch.dtype | None):
+    """A zero-arg factory of the forward's autocast context (a no-op context without autocast)."""
+    if dtype is None:
+        return contextlib.nullcontext
+    return lambda: torch.autocast(device_type, dtype=dtype)

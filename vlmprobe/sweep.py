@@ -1,0 +1,102 @@
+"""Run planned points through their backend, one row each, whatever happens to a point.
+
+A point runs in a fresh worker process when its backend needs one (cuda: allocator state must not leak
+between points) or when measure.isolate=true; otherwise in this process. An out-of-memory is a row with
+status `oom`; a worker that raises is `error`, one that dies (signal, other exit) is `crash`, one that
+outlives measure.timeout_s is `timeout`. Every row is on disk before the next point starts.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import traceback
+from pathlib import Path
+
+from tqdm import tqdm
+
+from vlmprobe import backends
+from vlmprobe.results import RowWriter, finished_ids, mib
+from vlmprobe.worker import RAISED, ROW_PREFIX, measure
+
+TAIL = 2000  # characters of stderr kept in a failed row
+
+
+def isolated(config: dict) -> bool:
+    choice = config["measure"]["isolate"]
+    return backends.get(config["measure"]["backend"]).isolate if choice == "auto" else bool(choice)
+
+
+def worker_env(config: dict) -> dict:
+    env = dict(os.environ)
+    alloc_conf = config["measure"].get("alloc_conf")
+    if alloc_conf:  # read by the CUDA allocator when CUDA starts, so it must be in the worker's environment
+        env["PYTORCH_CUDA_ALLOC_CONF"] = alloc_conf
+    return env
+
+
+def call_worker(request: dict, env: dict, timeout: float | None) -> dict:
+    """Run `python -m vlmprobe.worker` on one request; its result, or a failed row."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "vlmprobe.worker"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, text=True, env=env, start_new_session=True,  # own group: a timeout kills it whole
+    )
+    try:
+        stdout, stderr = proc.communicate(json.dumps(request), timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        _, stderr = proc.communicate()
+        return {"status": "timeout", "error": f"no result after {timeout} s; stderr tail: {stderr[-TAIL:]}"}
+    lines = [line for line in stdout.splitlines() if line.startswith(ROW_PREFIX)]
+    if proc.returncode == 0 and lines:
+        return json.loads(lines[-1][len(ROW_PREFIX):])
+    if proc.returncode == RAISED:
+        return {"status": "error", "error": stderr.strip()[-TAIL:]}
+    how = f"killed by signal {-proc.returncode}" if proc.returncode < 0 else f"exit code {proc.returncode}"
+    return {"status": "crash", "error": f"worker {how}; stderr tail: {stderr.strip()[-TAIL:]}"}
+
+
+def run_point(config: dict) -> dict:
+    """Outputs of one point; never raises for a failure of the point itself."""
+    if isolated(config):
+        return call_worker(config, worker_env(config), config["measure"]["timeout_s"])
+    try:
+        return measure(config)
+    except Exception as exc:
+        tail = "".join(traceback.format_exception_only(exc)).strip()
+        return {"status": "error", "error": f"{tail}\n{traceback.format_exc()[-TAIL:]}"}
+
+
+def describe_backend(name: str, config: dict) -> dict:
+    """Provenance of the backend, read where the points run (a worker, for backends that need isolation)."""
+    backend = backends.get(name)
+    if not backend.isolate:
+        return backend.describe()
+    result = call_worker({"describe": name}, worker_env(config), 300)
+    return result if "status" not in result else {"backend": name, "describe_error": result.get("error")}
+
+
+def run_sweep(planned, out_dir: Path, columns: list[str]) -> list[str]:
+    """Run every planned point not yet in out_dir/results.csv; return the statuses of the points run."""
+    csv_path = out_dir / "results.csv"
+    writer = RowWriter(csv_path, columns)
+    done = finished_ids(csv_path)
+    todo = [p for p in planned if p.point.id not in done]
+    if done:
+        tqdm.write(f"resume: {len(planned) - len(todo)} of {len(planned)} points already have rows in {csv_path}")
+    statuses = []
+    bar = tqdm(todo, desc="points", unit="point", dynamic_ncols=True)
+    for item in bar:
+        bar.set_postfix_str(item.point.id)
+        outputs = run_point(item.config)
+        outputs.setdefault("backend", item.config["measure"]["backend"])
+        row = {**item.inputs, **outputs}
+        writer.append(row)
+        statuses.append(row["status"])
+        peak = mib(row.get("peak_allocated_bytes"))
+        tqdm.write(f"  {item.point.id}: {row['status']}" + (f", peak {peak} MiB ({row['backend']})" if peak else "")
+                   + (f" - {str(row.get('error') or '').splitlines()[0][:160]}" if row["status"] != "ok" else ""))
+    return statuses

@@ -1,0 +1,98 @@
+"""One point, measured: build the model on the backend's device, make the batch and the optimizer, run the
+steps, read memory. `python -m vlmprobe.worker` does it in a fresh process: it reads the point (JSON) on
+stdin and prints its result as the last stdout line, `ROW_PREFIX{json}`. An out-of-memory is a result
+(status `oom`); anything else that goes wrong is the sweep's to record from the exit code and stderr.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import traceback
+
+import torch
+
+from vlmprobe import backends
+from vlmprobe.models.base import DataShape
+from vlmprobe.step import StepReport, make_optimizer, train_steps
+
+ROW_PREFIX = "VLMPROBE_ROW "
+RAISED = 3  # exit code when the measurement raised: the sweep records status `error` with the traceback
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def build_spec(model_cfg):
+    from hydra.utils import instantiate
+
+    return instantiate(model_cfg, _convert_="all")
+
+
+def measure(point: dict) -> dict:
+    """Outputs of one point (the sweep adds the inputs). `point` is the resolved config as plain data,
+    with measure.backend already resolved to cuda, cpu or estimate."""
+    from hydra.utils import instantiate
+
+    backend = backends.get(point["measure"]["backend"])
+    train = point["train"]
+    spec = build_spec(point["model"])
+    data = DataShape.from_config(point["data"])
+    report = StepReport()
+    out: dict = {"backend": backend.name, "status": "ok"}
+    with backend.session(point["measure"].get("device_memory")) as meter:
+        try:
+            model = spec.build(backend.device(), DTYPES[train["param_dtype"]])
+            model.train()
+            batch = spec.batch(data, backend.device())
+            trainable = [p for p in model.parameters() if p.requires_grad]
+            optimizer, _ = make_optimizer(instantiate(train["optimizer"], _convert_="all"), trainable)
+            meter.sync()
+            out["after_load_bytes"] = meter.current()
+            out["params_bytes"] = sum(p.untyped_storage().nbytes() for p in model.parameters())
+            autocast = backend.autocast(DTYPES.get(train.get("autocast_dtype") or ""))
+            train_steps(spec, model, batch, optimizer, meter, point["measure"]["steps"], autocast, report)
+        except torch.OutOfMemoryError as exc:
+            from vlmprobe.tracker import requested_bytes
+
+            message = str(exc)
+            out.update(status="oom", error=message.strip().splitlines()[0][:500],
+                       oom_request_bytes=requested_bytes(message))
+            report.peaks["allocated"] = max(report.peaks.get("allocated", 0), meter.peaks()["allocated"])
+        out.update(_report_columns(report))
+        out.update(backend.final_stats(meter))
+    return out
+
+
+def _report_columns(report: StepReport) -> dict:
+    done = bool(report.last_step_peaks)
+    return {
+        "peak_allocated_bytes": report.peaks.get("allocated"),
+        "peak_reserved_bytes": report.peaks.get("reserved"),
+        "peak_active_bytes": report.peaks.get("active"),
+        "last_step_peak_allocated_bytes": report.last_step_peaks.get("allocated"),
+        "last_step_peak_reserved_bytes": report.last_step_peaks.get("reserved"),
+        **{f"{phase}_peak_bytes": report.phase_peaks.get(phase) for phase in ("forward", "backward", "optimizer")},
+        "peak_phase": report.peak_phase or None,
+        "activations_bytes": report.activations_bytes if done else None,
+        "grads_bytes": report.grads_bytes if done else None,
+        "optimizer_state_bytes": report.optimizer_state_bytes if done else None,
+        "step_time_s": round(report.step_time_s, 4) if done else None,
+    }
+
+
+def describe(backend_name: str) -> dict:
+    return backends.get(backend_name).describe()
+
+
+def main() -> None:
+    request = json.loads(sys.stdin.read())
+    result = describe(request["describe"]) if "describe" in request else measure(request)
+    sys.stdout.write("\n" + ROW_PREFIX + json.dumps(result) + "\n")
+    sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except Exception:
+        traceback.print_exc()
+        sys.exit(RAISED)
