@@ -72,15 +72,36 @@ def check_resume(out_dir: Path, base: dict) -> None:
                           f"(differs in: {', '.join(changed)}); run the same command with resume=DIR")
 
 
+def check_group_choices(args: list[str]) -> None:
+    """Name an unknown group option (model=..., +sweep=...) and the allowed ones, before Hydra's longer error."""
+    from vlmprobe.errors import ConfigError
+
+    for arg in args:
+        key, sep, value = arg.partition("=")
+        group = key.lstrip("+")
+        if not sep or "." in group or not (CONF / group).is_dir():
+            continue
+        options = sorted(p.stem for p in (CONF / group).glob("*.yaml"))
+        if value not in options:
+            raise ConfigError(f"{group}={value!r} is not allowed: use one of {', '.join(options)}")
+        if group == "sweep" and not key.startswith("+"):
+            raise ConfigError(f"{arg} is not allowed: a sweep is added to the config, write +sweep={value}")
+
+
 def main() -> None:
+    from vlmprobe.errors import ConfigError
+
     if not CONF.is_dir():
         print(f"vlmprobe: config directory {CONF} not found; install from a checkout with `pip install -e .`",
               file=sys.stderr)
         sys.exit(2)
+    try:
+        check_group_choices(sys.argv[1:])
+    except ConfigError as exc:
+        print(f"vlmprobe: {exc}", file=sys.stderr)
+        sys.exit(2)
     import hydra
     from hydra.core.hydra_config import HydraConfig
-
-    from vlmprobe.errors import ConfigError
 
     @hydra.main(version_base="1.3", config_path=str(CONF), config_name="config")
     def app(cfg) -> None:

@@ -41,6 +41,7 @@ class RowWriter:
     def __init__(self, path: Path, columns: list[str]):
         self.path = path
         if path.exists() and path.stat().st_size:
+            drop_cut_line(path)
             with path.open(newline="") as f:
                 columns = next(csv.reader(f))
         else:
@@ -56,6 +57,14 @@ class RowWriter:
             csv.DictWriter(f, self.columns).writerow(row)
             f.flush()
             os.fsync(f.fileno())
+
+
+def drop_cut_line(path: Path) -> None:
+    """A kill mid-write can leave a last line without its newline: that row never finished, drop it so
+    the next row starts on a line of its own."""
+    data = path.read_bytes()
+    if not data.endswith(b"\n"):
+        path.write_bytes(data[: data.rfind(b"\n") + 1])
 
 
 def finished_ids(path: Path) -> set[str]:

@@ -86,7 +86,7 @@ def run_sweep(planned, out_dir: Path, columns: list[str]) -> list[str]:
     done = finished_ids(csv_path)
     todo = [p for p in planned if p.point.id not in done]
     if done:
-        tqdm.write(f"resume: {len(planned) - len(todo)} of {len(planned)} points already have rows in {csv_path}")
+        tqdm.write(f"resume: {len(planned) - len(todo)} of {len(planned)} points already have rows in {csv_path}", file=sys.stderr)
     statuses = []
     bar = tqdm(todo, desc="points", unit="point", dynamic_ncols=True)
     for item in bar:
@@ -98,5 +98,6 @@ def run_sweep(planned, out_dir: Path, columns: list[str]) -> list[str]:
         statuses.append(row["status"])
         peak = mib(row.get("peak_allocated_bytes"))
         tqdm.write(f"  {item.point.id}: {row['status']}" + (f", peak {peak} MiB ({row['backend']})" if peak else "")
-                   + (f" - {str(row.get('error') or '').splitlines()[0][:160]}" if row["status"] != "ok" else ""))
+                   + (f" - {str(row.get('error') or '').splitlines()[0][:160]}" if row["status"] != "ok" else ""),
+                   file=sys.stderr)
     return statuses

@@ -4,7 +4,10 @@ Used by the cpu backend (real CPU tensors) and the estimate backend (fake tensor
 sees every aten op below autograd, so it sees the forward, the tensors autograd saves, the backward and
 the optimizer alike. Each storage an op returns that was not seen before is charged its size rounded up
 to 512 bytes (the caching allocator's block granularity); when the storage dies its bytes are released.
-Storages that exist before the tracker starts are not counted.
+Storages that exist before the tracker starts are not counted, nor tensors made from Python data
+(`torch.tensor(...)`): a real run creates those without dispatching an allocation (only fake mode lifts
+them through `lift_fresh`), and in training code they are scalars kept on the CPU even under CUDA, such
+as AdamW's step counters.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+_FROM_PYTHON_DATA = (torch.ops.aten.lift_fresh.default, torch.ops.aten.lift_fresh_copy.default)
 BLOCK = 512  # bytes: the CUDA caching allocator rounds every block up to a multiple of this
 
 
@@ -55,6 +59,8 @@ class LiveBytesTracker(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
+        if func in _FROM_PYTHON_DATA:
+            return out
         inputs = None
         for t in tree_leaves(out):
             if not isinstance(t, torch.Tensor) or t.layout != torch.strided or t.device.type == "meta":

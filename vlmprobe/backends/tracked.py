@@ -32,6 +32,35 @@ class TrackerMeter:
         self.tracker.reset_peak()
 
 
+@contextlib.contextmanager
+def real_run_answers_for_fake_batches():
+    """Give transformers the answers a real run of our synthetic batches gets where it reads data.
+
+    transformers takes fake tensors for tracing; for a data-dependent decision it then assumes the worst
+    case. The one that changes memory: `find_packed_sequence_indices` cannot read fake position ids, so it
+    reports a packed batch, and the model materialises a (B, 1, L, L) mask and repeats K/V for SDPA, which a
+    real run of the same batch skips. Synthetic batches hold one unpadded sequence per sample, so the real
+    answer is "not packed" (None); the ops a real run makes to decide are still made, so allocations match.
+    """
+    from torch._subclasses.fake_tensor import FakeTensor
+    from transformers import masking_utils
+
+    original = masking_utils.find_packed_sequence_indices
+
+    def find_packed_sequence_indices(position_ids):
+        packed = original(position_ids)
+        if isinstance(packed, FakeTensor):
+            (packed[:, -1] == 0).all()  # what a real run computes to decide, then reads
+            return None
+        return packed
+
+    masking_utils.find_packed_sequence_indices = find_packed_sequence_indices
+    try:
+        yield
+    finally:
+        masking_utils.find_packed_sequence_indices = original
+
+
 class TrackedBackend(Backend):
     device_type = "cpu"
     isolate = False  # no device allocator to leak state between points; the tracker starts at zero
@@ -49,6 +78,7 @@ class TrackedBackend(Backend):
 
                 # allow_non_fake_inputs: module buffers made from Python constants may be real
                 stack.enter_context(FakeTensorMode(allow_non_fake_inputs=True))
+                stack.enter_context(real_run_answers_for_fake_batches())
             tracker = stack.enter_context(LiveBytesTracker(capacity))
             yield TrackerMeter(tracker)
 

@@ -98,7 +98,7 @@ class NanoVLMSpec(ModelSpec):
         vocab = self.text["vocab_size"]
         input_ids = torch.randint(0, vocab, (data.batch_size, data.lm_max_length), device=device)
         labels = input_ids.clone()
-        labels[:, :n_image] = IGNORE_INDEX  # no loss on image positions
+        labels[:, :n_image].fill_(IGNORE_INDEX)  # no loss on image positions
         pixel_values = torch.randn(images, self.vision.get("num_channels", 3), size, size, device=device)
         return {"input_ids": input_ids, "pixel_values": pixel_values, "labels": labels}
 

@@ -1,0 +1,103 @@
+"""`python -m vlmprobe` as a user runs it: outputs, resume, a killed sweep, and bad input."""
+
+import signal
+import subprocess
+import sys
+import time
+
+import pandas as pd
+import pytest
+
+from conftest import REPO, run_cli
+
+
+def results_dir(root):
+    (found,) = [p for p in root.glob("*/*") if p.is_dir()]
+    return found
+
+
+def test_smoke_sweep_writes_every_output_and_says_it_estimates(tmp_path):
+    proc = run_cli(["+sweep=smoke", f"results_dir={tmp_path}"], cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert "No CUDA GPU found: estimating with the 'estimate' backend" in proc.stderr
+    out = results_dir(tmp_path)
+    assert out.parent.name == "smoke"
+    for name in ("results.csv", "results.parquet", "config.yaml", "env.json", "summary.md", "plot.png"):
+        assert (out / name).stat().st_size > 0, name
+    table = pd.read_parquet(out / "results.parquet")
+    assert len(table) == 4 and set(table["status"]) == {"ok"} and set(table["backend"]) == {"estimate"}
+    assert str(table["peak_allocated_bytes"].dtype) == "Int64"
+    assert table["peak_reserved_bytes"].isna().all()  # unknown to the estimate: empty, not zero
+    summary = (out / "summary.md").read_text()
+    assert "ESTIMATES" in summary and "lm_max_length=64" in summary
+
+
+def test_resume_recomputes_no_finished_point(tmp_path):
+    assert run_cli(["+sweep=smoke", f"results_dir={tmp_path}"], cwd=tmp_path).returncode == 0
+    out = results_dir(tmp_path)
+    first = pd.read_csv(out / "results.csv")
+    lines = (out / "results.csv").read_text().splitlines()
+    (out / "results.csv").write_text("\n".join(lines[:3]) + "\n")  # keep the header and 2 of 4 rows
+    (out / "results.csv").open("a").write("1,2,")  # and a line cut short, as a kill mid-write leaves it
+    proc = run_cli(["+sweep=smoke", f"results_dir={tmp_path}", f"resume={out}"], cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert "resume: 2 of 4 points already have rows" in proc.stderr
+    table = pd.read_parquet(out / "results.parquet")
+    assert sorted(table["point_id"]) == sorted(first["point_id"])  # each point once
+    kept = table.set_index("point_id").loc[first["point_id"][:2], "step_time_s"]
+    assert kept.tolist() == first["step_time_s"][:2].tolist()  # the kept rows were not recomputed
+
+
+def test_resume_refuses_a_dir_of_another_config(tmp_path):
+    assert run_cli(["+sweep=smoke", f"results_dir={tmp_path}"], cwd=tmp_path).returncode == 0
+    out = results_dir(tmp_path)
+    proc = run_cli(["+sweep=smoke", "train.autocast_dtype=null", f"results_dir={tmp_path}", f"resume={out}"], cwd=tmp_path)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines()[-1].startswith(f"vlmprobe: resume={out} is not allowed: it was run with a different config")
+
+
+def test_a_sweep_killed_mid_way_leaves_a_readable_csv_with_every_finished_row(tmp_path):
+    args = [sys.executable, "-m", "vlmprobe", "+sweep=smoke", "sweep.axes.data.batch_size=[1,2,3,4,5,6,7,8]",
+            f"results_dir={tmp_path}"]
+    proc = subprocess.Popen(args, cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 240
+    csv = None
+    while time.time() < deadline:
+        found = list(tmp_path.glob("*/*/results.csv"))
+        if found and len(found[0].read_text().splitlines()) >= 3:  # header + 2 finished rows
+            csv = found[0]
+            break
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert csv is not None, "no rows were written in time"
+    table = pd.read_csv(csv)
+    assert 2 <= len(table) < 16
+    assert set(table["status"]) == {"ok"} and table["peak_allocated_bytes"].notna().all()
+
+
+BAD = {
+    "unknown model": (["model=nope"], "model='nope' is not allowed: use one of nanovlm_222m"),
+    "unknown sweep": (["+sweep=nope"], "sweep='nope' is not allowed: use one of"),
+    "sweep without +": (["sweep=smoke"], "sweep=smoke is not allowed: a sweep is added to the config, write +sweep=smoke"),
+    "batch size 0": (["data.batch_size=0"], "data.batch_size=0 is not allowed: it must be a positive integer"),
+    "too short for the image": (["data.lm_max_length=40"], "data.lm_max_length=40 is too short for nanovlm_222m: the images take 49 tokens"),
+    "pixels out of range": (["data.image_size=300"], "data.image_size=300 is not allowed for nanovlm_222m"),
+    "axis not a config key": (["+sweep=smoke", "+sweep.axes.data.nope=[1,2]"], "sweep axis 'data.nope' is not allowed: it is not a key of the config"),
+    "cuda without a GPU": (["measure.backend=cuda"], "measure.backend=cuda is not allowed here: no CUDA GPU is visible"),
+    "unknown backend": (["measure.backend=tpu"], "measure.backend='tpu' is not allowed: use one of auto, cuda, cpu, estimate"),
+}
+
+
+@pytest.mark.parametrize("case", BAD)
+def test_bad_input_is_one_clear_line_and_exit_2(tmp_path, case):
+    import torch
+
+    if case == "cuda without a GPU" and torch.cuda.is_available():
+        pytest.skip("a GPU is visible")
+    args, message = BAD[case]
+    proc = run_cli([*args, f"results_dir={tmp_path}"], cwd=tmp_path)
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("vlmprobe: ") and message in lines[0], proc.stderr
+    assert not list(tmp_path.iterdir())  # nothing was started

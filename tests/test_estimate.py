@@ -1,0 +1,55 @@
+"""The estimate backend runs the same program as the cpu backend on fake tensors: the byte counts must be
+identical, which proves the fake bookkeeping (the accuracy against CUDA is scripts/check_estimate.py's)."""
+
+import pytest
+
+from vlmprobe.worker import measure
+
+BYTE_COLUMNS = ("peak_allocated_bytes", "last_step_peak_allocated_bytes", "forward_peak_bytes", "backward_peak_bytes",
+                "optimizer_peak_bytes", "after_load_bytes", "activations_bytes", "grads_bytes", "optimizer_state_bytes",
+                "params_bytes")
+SETTINGS = {
+    "fp32": ["train.autocast_dtype=null"],
+    "fp32+bf16_autocast": ["train.autocast_dtype=bfloat16"],
+    "fp32+fp16_autocast": ["train.autocast_dtype=float16"],
+    "bf16_weights": ["train.param_dtype=bfloat16", "train.autocast_dtype=null"],
+    "3_steps_2_images": ["measure.steps=3", "data.images_per_sample=2"],
+}
+
+
+@pytest.mark.parametrize("setting", SETTINGS)
+def test_estimate_equals_the_cpu_backend_to_the_byte(point, setting):
+    base = ["model=nanovlm_tiny", "data.batch_size=2", "data.lm_max_length=48", *SETTINGS[setting]]
+    cpu = measure(point(base + ["measure.backend=cpu"]))
+    estimate = measure(point(base + ["measure.backend=estimate"]))
+    assert cpu["status"] == estimate["status"] == "ok"
+    assert {k: estimate[k] for k in BYTE_COLUMNS} == {k: cpu[k] for k in BYTE_COLUMNS}
+    assert estimate["backend"] == "estimate" and cpu["backend"] == "cpu"
+
+
+def test_estimate_leaves_what_it_cannot_know_empty_not_zero(point):
+    row = measure(point(["model=nanovlm_tiny", "data.lm_max_length=32", "measure.backend=estimate"]))
+    for column in ("peak_reserved_bytes", "peak_active_bytes", "last_step_peak_reserved_bytes", "nvml_used_bytes",
+                   "nvml_process_bytes", "num_alloc_retries", "num_ooms"):
+        assert row.get(column) is None, column
+    assert row["peak_allocated_bytes"] > 0
+
+
+def test_a_longer_sequence_costs_more_activation_memory_and_the_same_weights(point):
+    short, long = (measure(point(["model=nanovlm_tiny", f"data.lm_max_length={n}", "measure.backend=estimate"]))
+                   for n in (32, 128))
+    assert long["activations_bytes"] > short["activations_bytes"]
+    assert long["params_bytes"] == short["params_bytes"] and long["optimizer_state_bytes"] == short["optimizer_state_bytes"]
+
+
+def test_breakdown_matches_a_hand_computation_for_adamw(point, compose):
+    from hydra.utils import instantiate
+
+    from vlmprobe.models.base import count_params
+
+    row = measure(point(["model=nanovlm_tiny", "data.lm_max_length=32", "measure.backend=estimate"]))
+    spec = instantiate(compose(["model=nanovlm_tiny"]).model, _convert_="all")
+    params, _ = count_params(spec.build("meta", __import__("torch").float32, init=False))
+    assert row["params_bytes"] == 4 * params  # fp32 weights
+    assert row["grads_bytes"] == 4 * params  # one fp32 grad per weight
+    assert row["optimizer_state_bytes"] == 2 * 4 * params  # AdamW: exp_avg + exp_avg_sq

@@ -1,0 +1,32 @@
+import pytest
+
+from vlmprobe.errors import ConfigError
+from vlmprobe.grid import Point, expand, flatten_axes
+
+
+def test_expand_is_the_cartesian_product_with_the_first_axis_slowest():
+    points = expand({"data": {"batch_size": [1, 8], "lm_max_length": [128, 512]}})
+    assert [p.values for p in points] == [
+        {"data.batch_size": 1, "data.lm_max_length": 128},
+        {"data.batch_size": 1, "data.lm_max_length": 512},
+        {"data.batch_size": 8, "data.lm_max_length": 128},
+        {"data.batch_size": 8, "data.lm_max_length": 512},
+    ]
+    assert [p.index for p in points] == [0, 1, 2, 3]
+
+
+def test_point_id_is_the_overrides_hydra_reads_back():
+    point = Point(0, {"data.batch_size": 8, "train.autocast_dtype": None, "measure.isolate": True, "model": "nanovlm_tiny"})
+    assert point.overrides == ["data.batch_size=8", "train.autocast_dtype=null", "measure.isolate=true", "model=nanovlm_tiny"]
+    assert point.id == "data.batch_size=8,train.autocast_dtype=null,measure.isolate=true,model=nanovlm_tiny"
+
+
+def test_no_axes_is_one_default_point():
+    (point,) = expand({})
+    assert point.id == "default" and point.overrides == []
+
+
+@pytest.mark.parametrize("bad", [{"data": {"batch_size": []}}, {"data": {"batch_size": 4}}])
+def test_an_axis_must_be_a_non_empty_list(bad):
+    with pytest.raises(ConfigError, match=r"sweep.axes.data.batch_size=.* non-empty list"):
+        flatten_axes(bad)

@@ -1,0 +1,60 @@
+import pytest
+import torch
+
+from vlmprobe.tracker import LiveBytesTracker, charged_bytes, requested_bytes
+
+
+def test_charges_round_up_to_the_allocator_block_of_512_bytes():
+    assert [charged_bytes(n) for n in (1, 512, 513, 4000)] == [512, 512, 1024, 4096]
+
+
+def test_counts_new_storages_until_they_die_and_keeps_the_peak():
+    with LiveBytesTracker() as t:
+        a = torch.empty(1000)  # 4000 B -> 4096
+        b = torch.empty(10)  # 40 B -> 512
+        assert t.current == 4096 + 512
+        del b
+        assert t.current == 4096 and t.peak == 4608
+        t.reset_peak()
+        assert t.peak == 4096
+        del a
+        assert t.current == 0
+
+
+def test_views_in_place_ops_and_preexisting_tensors_allocate_nothing():
+    existing = torch.zeros(1000)
+    with LiveBytesTracker() as t:
+        existing.add_(1)
+        view = existing.view(10, 100).t()
+        view.mul_(2)
+        assert t.current == 0
+        fresh = existing * 2
+        assert t.current == 4096
+    assert fresh.shape == existing.shape
+
+
+def test_autograd_saved_tensors_live_until_backward():
+    x = torch.randn(256, requires_grad=True)  # before the tracker: not counted
+    with LiveBytesTracker() as t:
+        y = x.exp()  # saved for backward: 1024 B
+        loss = y.sum()  # 4 B -> 512
+        assert t.current == 1024 + 512
+        loss.backward()  # x.grad (1024) appears; the graph's saved `y` is still referenced by `y`
+        del y, loss
+        assert t.current == 1024  # only x.grad is left
+
+
+def test_capacity_raises_out_of_memory_naming_the_request():
+    with LiveBytesTracker(capacity=8192) as t:
+        keep = torch.empty(1024)  # 4096
+        with pytest.raises(torch.OutOfMemoryError) as err:
+            torch.empty(2048)  # 8192 more: over the capacity
+        assert t.current == 4096
+    assert requested_bytes(str(err.value)) == 8192
+    assert keep.numel() == 1024
+
+
+def test_requested_bytes_reads_cuda_out_of_memory_messages():
+    message = "CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of 23.69 GiB"
+    assert requested_bytes(message) == 2 * 2**30
+    assert requested_bytes("something else") is None

@@ -1,0 +1,54 @@
+"""The worker protocol and the rows a real worker process produces when a point fails on purpose."""
+
+import os
+
+import pytest
+
+from conftest import TESTS
+from vlmprobe.sweep import run_point
+from vlmprobe.worker import measure
+
+TINY = ["model=nanovlm_tiny", "data.lm_max_length=32", "measure.backend=cpu"]
+
+
+@pytest.fixture
+def faulty_env(monkeypatch):
+    """Workers import tests/faulty_models.py."""
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")]))
+
+
+def test_isolated_worker_returns_the_same_row_as_an_in_process_run(point):
+    config = point(TINY + ["measure.isolate=true"])
+    isolated = run_point(config)
+    in_process = measure(config)
+    assert isolated["status"] == "ok"
+    figures = [k for k in in_process if k.endswith("_bytes")]
+    assert {k: isolated[k] for k in figures} == {k: in_process[k] for k in figures}
+
+
+def test_out_of_memory_in_a_worker_is_a_row_with_the_peak_before_it_and_the_request(point):
+    row = run_point(point(TINY + ["measure.isolate=true", "measure.device_memory=1MiB"]))
+    assert row["status"] == "oom"
+    assert 0 < row["peak_allocated_bytes"] <= 2**20
+    assert row["oom_request_bytes"] > 0
+    assert row["peak_allocated_bytes"] + row["oom_request_bytes"] > 2**20  # the request did not fit
+    assert "out of memory" in row["error"]
+
+
+def test_a_worker_killed_by_a_signal_is_a_crash_row_with_the_stderr_tail(point, faulty_env):
+    row = run_point(point(TINY + ["measure.isolate=true", "model._target_=faulty_models.CrashingSpec"]))
+    assert row["status"] == "crash"
+    assert "killed by signal 11" in row["error"] and "about to crash" in row["error"]
+
+
+def test_a_worker_past_its_timeout_is_killed_and_is_a_timeout_row(point, faulty_env):
+    row = run_point(point(TINY + ["measure.isolate=true", "measure.timeout_s=3", "model._target_=faulty_models.HangingSpec"]))
+    assert row["status"] == "timeout"
+    assert "no result after 3 s" in row["error"]
+
+
+@pytest.mark.parametrize("isolate", ["true", "false"])
+def test_a_point_that_raises_is_an_error_row_in_and_out_of_process(point, faulty_env, isolate):
+    row = run_point(point(TINY + [f"measure.isolate={isolate}", "model._target_=faulty_models.RaisingSpec"]))
+    assert row["status"] == "error"
+    assert "RuntimeError: broken on purpose" in row["error"]

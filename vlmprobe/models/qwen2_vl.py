@@ -1,0 +1,226 @@
+"""Qwen2-VL: transformers' Qwen2VLForConditionalGeneration with random weights, fed as its processor feeds it.
+
+Images (Qwen2VLImageProcessor, re-implemented here as pure arithmetic): each square image of
+`data.image_size` px is resized by `smart_resize` (H and W rounded to multiples of patch x merge = 28 px,
+H*W brought into [min_pixels, max_pixels]), cut into (H/14)(W/14) patches of 3 x 2 x 14 x 14 = 1176 values
+(the still image is repeated over the temporal patch of 2), and merged 2 x 2 into (H/28)(W/28) LM tokens.
+Each sample is `lm_max_length` tokens, no padding: per image <|vision_start|>, one <|image_pad|> per image
+token, <|vision_end|>, then text. The batch is what a training collator hands the model: input_ids,
+labels (-100 at the vision positions), pixel_values (N_patches x 1176, float32), image_grid_thw
+(n_images x 3), mm_token_type_ids (1 at image tokens) and the 3-D M-RoPE position_ids (computed by the
+collator, as LLaMA-Factory does, with the model's get_rope_index rule; a test checks them against it).
+attention_mask is None: every sample fills lm_max_length, and a mask would make transformers build a
+(B, 1, L, L) tensor for fake tensors that a CUDA run without padding never allocates. The loss is the
+model's own (`labels=` -> outputs.loss: logits upcast to fp32, shifted cross-entropy, mean over labels).
+
+Vision attention: with attn_implementation "sdpa" (the default here) transformers splits the packed patch
+sequence at `cu_seqlens` and runs one SDPA call per image (no block mask is built), then concatenates the
+outputs. "flash_attention_2" (needs the flash-attn package on CUDA) runs one varlen kernel over the packed
+sequence instead; both keep O(patches) state per layer, the sdpa path adds per-image output copies and
+a concatenation (transient, about one (patches x 1280) tensor per layer).
+
+Fake tensors (the estimate backend runs batch() and loss() inside FakeTensorMode): the forward reads
+values of small integer tensors (image_grid_thw.tolist(), cu_seqlens split sizes, the image-token count
+check in get_placeholder_mask). FakeTensorMode can answer those only for *constant* fake tensors (fakes
+that keep their real values), and it propagates constants only through ops whose outputs have at most
+CONSTANT_NUMEL_LIMIT (= 1) elements. `constant_propagation(n)` raises that limit to n while batch() makes
+the integer inputs with torch.tensor(python data) -- under the mode this gives constant fakes, on real
+backends ordinary tensors -- and while loss() runs the forward, so every integer tensor derived from them
+stays constant and the model runs unchanged. Only integer tensors are ever constant (the limit is the
+batch's token count; float activations are derived from non-constant fakes), so no large real tensor is
+created, and every constant is still charged by the tracker at its size, as CUDA would allocate it.
+The M-RoPE position_ids are computed by the collator (`mrope_position_ids`): the model's get_rope_index
+builds them from fresh aranges, which fake mode cannot make constant.
+
+Private torch API used: `torch._subclasses.fake_tensor.CONSTANT_NUMEL_LIMIT` (module global read by
+FakeTensorMode.may_turn_const at each op; present with the same meaning in torch 2.11-2.13), changed
+only inside `constant_propagation` and restored on exit. Nothing else private, no transformers patching.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+
+import torch
+from torch import nn
+
+from vlmprobe.errors import ConfigError
+from vlmprobe.models.base import DataShape, ModelSpec
+
+IGNORE_INDEX = -100
+
+
+def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixels: int) -> tuple[int, int]:
+    """(H, W) the Qwen2-VL image processor resizes a `height` x `width` image to (transformers'
+    qwen2_vl smart_resize, 5.17-5.23): each side rounded to a multiple of `factor`, then scaled down
+    (floor) if H*W > max_pixels or up (ceil) if H*W < min_pixels, keeping the aspect ratio."""
+    if max(height, width) / min(height, width) > 200:
+        raise ValueError(f"absolute aspect ratio must be smaller than 200, got {max(height, width) / min(height, width)}")
+    h_bar = round(height / factor) * factor  # Python's round: halves go to the even multiple, as in transformers
+    w_bar = round(width / factor) * factor
+    if h_bar * w_bar > max_pixels:
+        beta = math.sqrt((height * width) / max_pixels)
+        h_bar = max(factor, math.floor(height / beta / factor) * factor)
+        w_bar = max(factor, math.floor(width / beta / factor) * factor)
+    elif h_bar * w_bar < min_pixels:
+        beta = math.sqrt(min_pixels / (height * width))
+        h_bar = math.ceil(height * beta / factor) * factor
+        w_bar = math.ceil(width * beta / factor) * factor
+    return h_bar, w_bar
+
+
+@contextlib.contextmanager
+def constant_propagation(numel: int):
+    """Inside FakeTensorMode, keep real values for tensors of up to `numel` elements derived from constant
+    fakes (see the module docstring); no effect on real tensors."""
+    from torch._subclasses import fake_tensor
+
+    previous = fake_tensor.CONSTANT_NUMEL_LIMIT
+    fake_tensor.CONSTANT_NUMEL_LIMIT = max(previous, numel)
+    try:
+        yield
+    finally:
+        fake_tensor.CONSTANT_NUMEL_LIMIT = previous
+
+
+def mrope_position_ids(layout: list[tuple[str, int | tuple[int, int]]]) -> list[list[int]]:
+    """3 rows (t, h, w) of M-RoPE positions for one sample, as Qwen2VLModel.get_rope_index computes them:
+    text tokens advance all three by 1; an image of (rows, cols) merged tokens at position p takes
+    (p, p + row, p + col) and the next token continues at p + max(rows, cols). `layout` is a list of
+    ("text", n_tokens) and ("image", (rows, cols)) runs."""
+    t, h, w = [], [], []
+    pos = 0
+    for kind, size in layout:
+        if kind == "text":
+            run = range(pos, pos + size)
+            t += run
+            h += run
+            w += run
+            pos += size
+        else:
+            rows, cols = size
+            for r in range(rows):
+                t += [pos] * cols
+                h += [pos + r] * cols
+                w += range(pos, pos + cols)
+            pos += max(rows, cols)
+    return [t, h, w]
+
+
+class Qwen2VLSpec(ModelSpec):
+    """Hydra target for conf/model/qwen2_vl_*.yaml."""
+
+    def __init__(self, name: str, image_size: int, min_pixels: int, max_pixels: int, token_ids: dict,
+                 vision: dict, text: dict, tie_word_embeddings: bool, attn_implementation: str = "sdpa"):
+        self.name = name
+        self.native_image_size = image_size  # Qwen2-VL has no native size (dynamic resolution): the default side
+        self.min_pixels = min_pixels
+        self.max_pixels = max_pixels
+        self.token_ids = dict(token_ids)
+        self.vision = dict(vision)
+        self.text = dict(text)
+        self.tie_word_embeddings = tie_word_embeddings
+        self.attn_implementation = attn_implementation
+        self.factor = self.vision["patch_size"] * self.vision["spatial_merge_size"]
+
+    # -- image geometry -------------------------------------------------------------------------------
+    def pixel_bounds(self, data: DataShape) -> tuple[int, int]:
+        """(min_pixels, max_pixels) for this point; raises ConfigError for bounds no image can meet."""
+        low = data.min_pixels or self.min_pixels
+        high = data.max_pixels or self.max_pixels
+        if high < self.factor**2:
+            raise ConfigError(f"data.max_pixels={high} is not allowed for {self.name}: an image is at least one "
+                              f"{self.factor} x {self.factor} px block, so it must be at least {self.factor**2}")
+        if low > high:
+            raise ConfigError(f"data.min_pixels={low} is not allowed for {self.name}: it must not exceed "
+                              f"max_pixels={high}")
+        return low, high
+
+    def grid(self, data: DataShape) -> tuple[int, int]:
+        """(rows, cols) of 14 px patches of one resized image."""
+        size = self.image_size(data)
+        height, width = smart_resize(size, size, self.factor, *self.pixel_bounds(data))
+        patch = self.vision["patch_size"]
+        return height // patch, width // patch
+
+    def image_tokens(self, data: DataShape) -> int:
+        rows, cols = self.grid(data)
+        return data.images_per_sample * rows * cols // self.vision["spatial_merge_size"] ** 2
+
+    def validate(self, data: DataShape) -> None:
+        needed = self.image_tokens(data) + 2 * data.images_per_sample + 1  # + vision_start/end, >= 1 text token
+        if data.lm_max_length < needed:
+            raise ConfigError(
+                f"data.lm_max_length={data.lm_max_length} is too short for {self.name} at {self.image_size(data)} px: "
+                f"the images take {self.image_tokens(data)} tokens plus 2 vision markers each, so it must be at "
+                f"least {needed}"
+            )
+
+    # -- model ----------------------------------------------------------------------------------------
+    def config(self):
+        from transformers import Qwen2VLConfig
+
+        text = {**self.text, "use_cache": False, "tie_word_embeddings": self.tie_word_embeddings,
+                "bos_token_id": self.token_ids["bos_token_id"], "eos_token_id": self.token_ids["eos_token_id"]}
+        ids = {k: v for k, v in self.token_ids.items() if k not in ("bos_token_id", "eos_token_id")}
+        return Qwen2VLConfig(text_config=text, vision_config=dict(self.vision), **ids,
+                             tie_word_embeddings=self.tie_word_embeddings,
+                             attn_implementation=self.attn_implementation)
+
+    def _construct(self) -> nn.Module:
+        from transformers import Qwen2VLForConditionalGeneration
+
+        model = Qwen2VLForConditionalGeneration(self.config())
+        model.tie_weights()  # post_init does not tie under no_init_weights; 2B shares lm_head with embed_tokens
+        return model
+
+    # -- inputs ---------------------------------------------------------------------------------------
+    def _sample(self, data: DataShape) -> tuple[list[int], list[int], list[int], list[list[int]]]:
+        """input_ids, labels, mm_token_type_ids and M-RoPE positions (3 rows) of one sample."""
+        ids = self.token_ids
+        merge = self.vision["spatial_merge_size"]
+        rows, cols = (n // merge for n in self.grid(data))
+        per_image = rows * cols
+        text_vocab = min(ids.values())  # ordinary text ids lie below the special tokens
+        input_ids, types, layout = [], [], []
+        for _ in range(data.images_per_sample):
+            input_ids += [ids["vision_start_token_id"]] + [ids["image_token_id"]] * per_image + [ids["vision_end_token_id"]]
+            types += [0] + [1] * per_image + [0]
+            layout += [("text", 1), ("image", (rows, cols)), ("text", 1)]
+        n_text = data.lm_max_length - len(input_ids)
+        input_ids += [(17 * i + 3) % text_vocab for i in range(n_text)]  # content does not change memory
+        types += [0] * n_text
+        layout.append(("text", n_text))
+        labels = [IGNORE_INDEX if t or i in (ids["vision_start_token_id"], ids["vision_end_token_id"]) else i
+                  for i, t in zip(input_ids, types)]
+        return input_ids, labels, types, mrope_position_ids(layout)
+
+    def batch(self, data: DataShape, device: torch.device) -> dict:
+        self.validate(data)
+        input_ids, labels, types, positions = self._sample(data)
+        b = data.batch_size
+        rows, cols = self.grid(data)
+        n_images = b * data.images_per_sample
+        patch_values = (self.vision["in_channels"] * self.vision["temporal_patch_size"]
+                        * self.vision["patch_size"] ** 2)
+
+        def ints(values) -> torch.Tensor:
+            # torch.tensor of Python data: a constant fake under FakeTensorMode (see constant_propagation),
+            # made by a dispatched op (lift_fresh). The clone makes the real backends allocate it through a
+            # dispatched op too (torch.tensor's own storage never passes the tracker), so both charge it once.
+            return torch.tensor(values, dtype=torch.long, device=device).clone()
+
+        with constant_propagation(b * data.lm_max_length):
+            return {
+                "input_ids": ints([input_ids] * b),
+                "labels": ints([labels] * b),
+                "mm_token_type_ids": ints([types] * b),
+                "position_ids": ints([[row] * b for row in positions]),  # (3, B, L)
+                "image_grid_thw": ints([[1, rows, cols]] * n_images),
+                "pixel_values": torch.randn(n_images * rows * cols, patch_values, device=device),
+            }
+
+    def loss(self, model: nn.Module, batch: dict) -> torch.Tensor:
+        with constant_propagation(batch["input_ids"].numel()):
+            return model(**batch, attention_mask=None, use_cache=False).loss
