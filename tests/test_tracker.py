@@ -1,16 +1,12 @@
 import pytest
 import torch
 
-from vlmprobe.tracker import LiveBytesTracker, charged_bytes, requested_bytes
-
-
-def test_charges_round_up_to_the_allocator_block_of_512_bytes():
-    assert [charged_bytes(n) for n in (1, 512, 513, 4000)] == [512, 512, 1024, 4096]
+from vlmprobe.tracker import LiveBytesTracker, requested_bytes
 
 
 def test_counts_new_storages_until_they_die_and_keeps_the_peak():
     with LiveBytesTracker() as t:
-        a = torch.empty(1000)  # 4000 B -> 4096
+        a = torch.empty(1000)  # 4000 B -> a 4096 B block
         b = torch.empty(10)  # 40 B -> 512
         assert t.current == 4096 + 512
         del b
@@ -44,13 +40,13 @@ def test_autograd_saved_tensors_live_until_backward():
         assert t.current == 1024  # only x.grad is left
 
 
-def test_capacity_raises_out_of_memory_naming_the_request():
-    with LiveBytesTracker(capacity=8192) as t:
-        keep = torch.empty(1024)  # 4096
+def test_capacity_raises_out_of_memory_when_a_new_segment_does_not_fit():
+    with LiveBytesTracker(capacity=3 * 2**20) as t:
+        keep = torch.empty(1024)  # 4096 B from a new 2 MiB small-pool segment
         with pytest.raises(torch.OutOfMemoryError) as err:
-            torch.empty(2048)  # 8192 more: over the capacity
+            torch.empty(2**19)  # 2 MiB: a large-pool request needs a new 20 MiB segment, over 3 MiB
         assert t.current == 4096
-    assert requested_bytes(str(err.value)) == 8192
+    assert requested_bytes(str(err.value)) == 20 * 2**20
     assert keep.numel() == 1024
 
 

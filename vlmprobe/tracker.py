@@ -1,9 +1,10 @@
-"""Live tensor-storage bytes, counted the way the CUDA caching allocator would charge them.
+"""Live tensor storages, charged the way the CUDA caching allocator would charge them.
 
 Used by the cpu backend (real CPU tensors) and the estimate backend (fake tensors): a TorchDispatchMode
 sees every aten op below autograd, so it sees the forward, the tensors autograd saves, the backward and
-the optimizer alike. Each storage an op returns that was not seen before is charged its size rounded up
-to 512 bytes (the caching allocator's block granularity); when the storage dies its bytes are released.
+the optimizer alike. Each storage an op returns that was not seen before is allocated from a model of the
+CUDA caching allocator (vlmprobe.allocator: 512-byte rounding, segments, best fit, unsplit remainders),
+in the order the ops run, and freed there when the storage dies; the figures are that model's.
 Storages that exist before the tracker starts are not counted, nor tensors made from Python data
 (`torch.tensor(...)`): a real run creates those without dispatching an allocation (only fake mode lifts
 them through `lift_fresh`), and in training code they are scalars kept on the CPU even under CUDA, such
@@ -19,42 +20,37 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+from vlmprobe.allocator import CachingAllocatorModel
+
 _FROM_PYTHON_DATA = (torch.ops.aten.lift_fresh.default, torch.ops.aten.lift_fresh_copy.default)
-BLOCK = 512  # bytes: the CUDA caching allocator rounds every block up to a multiple of this
-
-
-def charged_bytes(nbytes: int) -> int:
-    """What the CUDA caching allocator reports as allocated for a request of `nbytes`."""
-    return -(-nbytes // BLOCK) * BLOCK
 
 
 class LiveBytesTracker(TorchDispatchMode):
-    """Counts live storage bytes; optionally raises OutOfMemoryError past `capacity` bytes, like a device."""
+    """Allocates every new storage from a caching-allocator model; with a `capacity` (device bytes), a
+    segment that does not fit raises OutOfMemoryError as CUDA would."""
 
     def __init__(self, capacity: int | None = None):
         super().__init__()
-        self.capacity = capacity
-        self.current = 0  # bytes live now
-        self.peak = 0  # max of `current` since the last reset_peak()
+        self.allocator = CachingAllocatorModel(capacity)
         self._seen: weakref.WeakSet = weakref.WeakSet()
 
-    def reset_peak(self) -> None:
-        self.peak = self.current
+    @property
+    def current(self) -> int:
+        """Bytes allocated now (memory_allocated)."""
+        return self.allocator.allocated
 
-    def _release(self, nbytes: int) -> None:
-        self.current -= nbytes
+    @property
+    def peak(self) -> int:
+        """Peak allocated since the last reset_peak() (max_memory_allocated)."""
+        return self.allocator.peak_allocated
+
+    def reset_peak(self) -> None:
+        self.allocator.reset_peak()
 
     def _charge(self, storage) -> None:
-        nbytes = charged_bytes(storage.nbytes())
-        if self.capacity is not None and self.current + nbytes > self.capacity:
-            raise torch.OutOfMemoryError(
-                f"vlmprobe tracker: out of memory. Tried to allocate {nbytes} bytes with {self.current} bytes "
-                f"allocated of a capacity of {self.capacity} bytes"
-            )
+        handle = self.allocator.malloc(storage.nbytes())
         self._seen.add(storage)
-        weakref.finalize(storage, self._release, nbytes)
-        self.current += nbytes
-        self.peak = max(self.peak, self.current)
+        weakref.finalize(storage, self.allocator.free, handle)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}

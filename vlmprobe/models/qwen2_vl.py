@@ -206,9 +206,10 @@ class Qwen2VLSpec(ModelSpec):
                         * self.vision["patch_size"] ** 2)
 
         def ints(values) -> torch.Tensor:
-            # torch.tensor of Python data: a constant fake under FakeTensorMode (see constant_propagation),
-            # made by a dispatched op (lift_fresh). The clone makes the real backends allocate it through a
-            # dispatched op too (torch.tensor's own storage never passes the tracker), so both charge it once.
+            # torch.tensor of Python data: a constant fake under FakeTensorMode (see constant_propagation).
+            # Its storage never passes the tracker (made without a dispatched allocation; the tracker skips
+            # fake mode's lift_fresh), but a collator's batch lives on the GPU: the clone allocates it through
+            # a dispatched op on every backend (and stays constant: clone of a constant is constant).
             return torch.tensor(values, dtype=torch.long, device=device).clone()
 
         with constant_propagation(b * data.lm_max_length):
