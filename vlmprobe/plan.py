@@ -16,6 +16,7 @@ from omegaconf import OmegaConf
 
 from vlmprobe.errors import ConfigError
 from vlmprobe.grid import Point, expand, flatten_axes
+from vlmprobe.results import axis_column
 
 DTYPE_NAMES = ("float32", "bfloat16", "float16")
 _SIZE = re.compile(r"^\s*([\d.]+)\s*(B|KiB|MiB|GiB|TiB)?\s*$")
@@ -136,9 +137,9 @@ def validate_point(cfg: dict, point: Point) -> dict:
         "image_tokens": spec.image_tokens(data),
         "steps": steps,
     }
-    for key, value in point.values.items():  # every swept key has a column, named by its config path
-        if key.split(".")[-1] not in inputs:
-            inputs[key] = value if not isinstance(value, (dict, list)) else json.dumps(value)
+    for key, value in point.values.items():  # every swept key has a column
+        if axis_column(key) not in inputs:
+            inputs[axis_column(key)] = value if not isinstance(value, (dict, list)) else json.dumps(value)
     return inputs
 
 

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from vlmprobe.results import GiB, MiB, _column, mib, pivot, read_table
+from vlmprobe.results import GiB, MiB, axis_column, mib, pivot, read_table
 
 BACKEND_WORDS = {
     "cuda": "measured on a CUDA GPU (torch.cuda.max_memory_allocated)",
@@ -65,8 +65,8 @@ def plot(table: pd.DataFrame, axes: list[str], path: Path, capacity_bytes: int |
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    x = "batch_size" if "data.batch_size" in axes or not axes else _column(axes[0])
-    others = [_column(a) for a in axes if _column(a) != x]
+    x = "batch_size" if "data.batch_size" in axes or not axes else axis_column(axes[0])
+    others = [axis_column(a) for a in axes if axis_column(a) != x]
     fig, ax = plt.subplots(figsize=(7, 4.5))
     groups = table.groupby(others, sort=False) if others else [((), table)]
     for key, group in groups:

@@ -30,8 +30,15 @@ STATUSES = ("ok", "oom", "error", "timeout", "crash")
 MiB, GiB = 2**20, 2**30
 
 
-def columns_for(axis_columns: list[str]) -> list[str]:
-    return INPUT_COLUMNS + [c for c in axis_columns if c not in INPUT_COLUMNS] + OUTPUT_COLUMNS
+def axis_column(axis: str) -> str:
+    """The row column a swept config key lands in: data.batch_size -> batch_size (an input column already);
+    any other key keeps its dotted name as a column of its own."""
+    leaf = axis.split(".")[-1]
+    return leaf if leaf in INPUT_COLUMNS else axis
+
+
+def columns_for(axes: list[str]) -> list[str]:
+    return INPUT_COLUMNS + [axis_column(a) for a in axes if axis_column(a) not in INPUT_COLUMNS] + OUTPUT_COLUMNS
 
 
 class RowWriter:
@@ -92,17 +99,11 @@ def pivot(table: pd.DataFrame, axes: list[str], value: str = "peak_allocated_byt
     """Peak MiB with rows = batch size (or the first axis) and columns = the other swept axes; a point that
     did not finish shows its status in capitals."""
     cells = table.apply(lambda r: mib(r[value]) if r["status"] == "ok" else r["status"].upper(), axis=1)
-    row_key = "batch_size" if "data.batch_size" in axes or not axes else _column(axes[0])
-    others = [_column(a) for a in axes if _column(a) != row_key]
+    row_key = "batch_size" if "data.batch_size" in axes or not axes else axis_column(axes[0])
+    others = [axis_column(a) for a in axes if axis_column(a) != row_key]
     frame = table.assign(cell=cells)
     if not others:
         return frame.set_index(row_key)[["cell"]].rename(columns={"cell": "peak MiB"})
     frame["columns"] = frame[others].astype(str).apply(
         lambda r: ", ".join(f"{k}={v}" for k, v in zip(others, r)), axis=1)
     return frame.pivot_table(index=row_key, columns="columns", values="cell", aggfunc="first", sort=False)
-
-
-def _column(axis: str) -> str:
-    """The row column an axis lands in (data.batch_size -> batch_size; others keep their dotted name)."""
-    leaf = axis.split(".")[-1]
-    return leaf if leaf in INPUT_COLUMNS else axis
