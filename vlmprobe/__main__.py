@@ -41,7 +41,7 @@ def run(cfg, overrides: list[str], compose) -> int:
         out_dir.mkdir(parents=True, exist_ok=False)
         (out_dir / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.create({k: v for k, v in base.items() if k != "resume"})))
     print(f"vlmprobe: {len(planned)} points, backend {backend}, results in {out_dir}", file=sys.stderr)
-    env = environment(describe_backend(backend, planned[0].config), base)
+    env = {**environment(describe_backend(backend, planned[0].config), base), "overrides": overrides}
     env_path = out_dir / "env.json"
     if not env_path.exists():
         write_env(env_path, env)

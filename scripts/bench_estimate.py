@@ -1,0 +1,57 @@
+#!/usr/bin/env python
+"""Speed of the estimate backend on this machine, against the targets of the estimate issue.
+
+Runs (1) one qwen2_vl_7b point (bf16 weights, batch 1, lm_max_length 2048, 448 px) and (2) the whole seq_len
+sweep, each as `python -m vlmprobe ... measure.backend=estimate` in a subprocess, and prints a table: step time
+(the row's step_time_s), wall time and the subprocess's peak RSS.
+
+    python scripts/bench_estimate.py
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pandas as pd
+
+CASES = [
+    ("qwen2_vl_7b bf16 b1 L2048 448px", ["model=qwen2_vl_7b", "train.param_dtype=bfloat16", "train.autocast_dtype=null",
+                                         "data.batch_size=1", "data.lm_max_length=2048", "data.image_size=448"],
+     {"step_time_s": 5.0, "rss_gib": 1.0}),
+    ("seq_len sweep (8 points)", ["+sweep=seq_len"], {"wall_s": 60.0}),
+]
+
+
+def run(args: list[str]) -> dict:
+    with tempfile.TemporaryDirectory() as tmp, open(Path(tmp) / "stderr", "w+") as err:
+        started = time.perf_counter()
+        proc = subprocess.Popen([sys.executable, "-m", "vlmprobe", *args, "measure.backend=estimate",
+                                 f"results_dir={tmp}"], stdout=subprocess.DEVNULL, stderr=err)
+        _, status, usage = os.wait4(proc.pid, 0)  # this child's own rusage: ru_maxrss in KiB on Linux
+        wall = time.perf_counter() - started
+        if os.waitstatus_to_exitcode(status) != 0:
+            err.seek(0)
+            raise SystemExit(f"failed: {' '.join(args)}\n{err.read()[-2000:]}")
+        table = pd.read_csv(next(Path(tmp).glob("*/*/results.csv")))
+    return {"wall_s": wall, "step_time_s": table["step_time_s"].max(), "rss_gib": usage.ru_maxrss / 2**20,
+            "points": len(table), "status": ",".join(sorted(set(table["status"])))}
+
+
+def main() -> None:
+    rows = []
+    for name, args, targets in CASES:
+        measured = run(args)
+        verdict = all(measured[k] is not None and measured[k] <= v for k, v in targets.items())
+        rows.append({"case": name, **{k: round(v, 2) if isinstance(v, float) else v for k, v in measured.items()},
+                     "targets": ", ".join(f"{k} <= {v}" for k, v in targets.items()), "meets": verdict})
+    print(pd.DataFrame(rows).to_markdown(index=False))
+    print("\nrss_gib: peak resident set of the vlmprobe process (GiB, 1024^3 B); step_time_s: slowest point's last step.")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,122 @@
+#!/usr/bin/env python
+"""Accuracy of the estimate backend, printed as tables of relative error per point.
+
+1. bookkeeping: estimate vs the cpu backend (the same program on real tensors) on tiny models; must be 0.
+2. published: the seq_len estimate vs the published CUDA figures of nanoVLM issue #103 (RTX 3090).
+3. cuda: estimate vs cuda for the seq_len and qwen2_vl_image_size sweeps. With a GPU visible both are run
+   here; otherwise `--cuda-dir DIR` (repeatable) compares committed cuda results dirs with a fresh estimate
+   of the same config; without either this part says it is unverified.
+
+    python scripts/check_estimate.py [--cuda-dir results/seq_len/<stamp>] [--parts bookkeeping,published,cuda]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import pandas as pd
+
+from vlmprobe.results import MiB, read_table
+
+TINY_SETTINGS = {
+    "fp32": ["train.autocast_dtype=null"],
+    "fp32 + bf16 autocast": [],
+    "bf16 weights": ["train.param_dtype=bfloat16", "train.autocast_dtype=null"],
+}
+TINY_MODELS = ["nanovlm_tiny"]
+CUDA_SWEEPS = ["seq_len", "qwen2_vl_image_size"]
+
+
+def sweep(args: list[str], out: Path) -> Path:
+    """Run `python -m vlmprobe ARGS` into `out`; the results dir it wrote."""
+    proc = subprocess.run([sys.executable, "-m", "vlmprobe", *args, f"results_dir={out}"], capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise SystemExit(f"vlmprobe {' '.join(args)} failed:\n{proc.stderr[-2000:]}")
+    return max(out.glob("*/*/"), key=lambda p: p.stat().st_mtime)
+
+
+def relative(table: pd.DataFrame, reference: str, estimate: str) -> pd.DataFrame:
+    table["rel_error_%"] = ((table[estimate] - table[reference]) / table[reference] * 100).round(2)
+    for column in (reference, estimate):
+        table[column] = (table[column] / MiB).round(1)
+    return table.rename(columns={reference: f"{reference} MiB", estimate: f"{estimate} MiB"})
+
+
+def bookkeeping(tmp: Path) -> pd.DataFrame:
+    rows = []
+    for model in TINY_MODELS:
+        for setting, extra in TINY_SETTINGS.items():
+            base = ["+sweep=smoke", f"+sweep.axes.model=[{model}]", *extra]
+            figures = {}
+            for backend in ("cpu", "estimate"):
+                table = read_table(sweep(base + [f"measure.backend={backend}"], tmp / f"{model}-{backend}") / "results.csv")
+                figures[backend] = table.set_index("point_id")["peak_allocated_bytes"]
+            for point_id, cpu in figures["cpu"].items():
+                rows.append({"model": model, "setting": setting, "point": point_id, "cpu": cpu,
+                             "estimate": figures["estimate"][point_id]})
+    return relative(pd.DataFrame(rows), "cpu", "estimate")
+
+
+def against(reference_dir: Path, tmp: Path) -> pd.DataFrame:
+    """Estimate the command of a cuda results dir (its env.json's overrides) and compare point by point."""
+    ran = json.loads((reference_dir / "env.json").read_text())["overrides"]
+    overrides = [o for o in ran if o.split("=")[0] not in ("measure.backend", "results_dir", "resume")]
+    estimate = read_table(sweep(overrides + ["measure.backend=estimate"], tmp / reference_dir.name) / "results.csv")
+    cuda = read_table(reference_dir / "results.csv")
+    merged = cuda[["point_id", "status", "peak_allocated_bytes"]].merge(
+        estimate[["point_id", "status", "peak_allocated_bytes"]], on="point_id", suffixes=("_cuda", "_estimate"))
+    merged = merged.rename(columns={"peak_allocated_bytes_cuda": "cuda", "peak_allocated_bytes_estimate": "estimate"})
+    return relative(merged, "cuda", "estimate")
+
+
+def published(tmp: Path) -> pd.DataFrame:
+    from vlmprobe.reference import load_reference
+
+    reference = load_reference("nanovlm_issue103")
+    estimate = read_table(sweep(["+sweep=seq_len", "measure.backend=estimate"], tmp / "published") / "results.csv")
+    merged = estimate.merge(reference, on=["batch_size", "lm_max_length"], how="inner")
+    merged = merged[merged["peak_mib"].notna()]
+    table = pd.DataFrame({"batch_size": merged["batch_size"], "lm_max_length": merged["lm_max_length"],
+                          "published": merged["peak_mib"] * MiB, "estimate": merged["peak_allocated_bytes"].astype(float)})
+    return relative(table, "published", "estimate")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--cuda-dir", action="append", type=Path, default=[], help="a results dir with backend=cuda rows")
+    parser.add_argument("--parts", default="bookkeeping,published,cuda")
+    args = parser.parse_args()
+    parts = args.parts.split(",")
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        if "bookkeeping" in parts:
+            print("## estimate vs cpu backend (same program, real tensors): must be 0\n")
+            table = bookkeeping(tmp)
+            print(table.to_markdown(index=False), "\n")
+            if (table["rel_error_%"] != 0).any():
+                raise SystemExit("estimate and cpu disagree: the fake bookkeeping is broken")
+        if "published" in parts:
+            print("## seq_len estimate vs the published RTX 3090 figures (nanoVLM issue #103, CUDA)\n")
+            print(published(tmp).to_markdown(index=False), "\n")
+        if "cuda" in parts:
+            dirs = list(args.cuda_dir)
+            if not dirs:
+                import torch
+
+                if torch.cuda.is_available():
+                    dirs = [sweep([f"+sweep={name}", "measure.backend=cuda"], tmp / f"cuda-{name}") for name in CUDA_SWEEPS]
+            if not dirs:
+                print("## estimate vs cuda: UNVERIFIED (no GPU visible and no --cuda-dir given)\n")
+            for directory in dirs:
+                print(f"## estimate vs cuda: {directory}\n")
+                print(against(directory, tmp).to_markdown(index=False), "\n")
+    print("MiB = 1024^2 bytes; rel_error_% = (estimate - reference) / reference.")
+
+
+if __name__ == "__main__":
+    main()
