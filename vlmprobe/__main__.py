@@ -51,7 +51,7 @@ def run(cfg, overrides: list[str], compose) -> int:
     finally:  # also on Ctrl-C: the CSV already holds every finished row; make the tables from them
         table = write_reports(out_dir, axes, env)
         print(f"vlmprobe: wrote {out_dir}/results.csv, results.parquet, summary.md ({len(table)} rows)", file=sys.stderr)
-    failed = [s for s in statuses if s not in ("ok", "oom")]
+    failed = [s for s in statuses if s not in ("ok", "oom", "skipped")]
     return 1 if statuses and len(failed) == len(statuses) else 0
 
 

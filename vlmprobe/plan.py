@@ -28,6 +28,7 @@ class PlannedPoint:
     point: Point
     config: dict  # the composed config of this point, resolved, plain data
     inputs: dict  # the row's input columns
+    skip: str | None = None  # why this point cannot run here (an optional package missing); its row says `skipped`
 
 
 def parse_bytes(value, key: str) -> int | None:
@@ -75,22 +76,32 @@ def compose_points(compose, overrides: list[str], base: dict) -> list[tuple[Poin
 
 
 @functools.lru_cache(maxsize=None)
-def _describe_model(model_json: str, train_json: str) -> dict:
-    """Parameter counts and optimizer label from the model built on the meta device."""
+def _describe_model(model_json: str, train_json: str, optimizer_json: str) -> tuple[dict, str | None]:
+    """Parameter counts (knobs applied) and optimizer label from the model built on the meta device; and a
+    reason to skip when the optimizer's package is not installed."""
     import torch
     from hydra.utils import instantiate
 
+    from vlmprobe.knobs import apply_knobs
     from vlmprobe.models.base import count_params
     from vlmprobe.step import make_optimizer
     from vlmprobe.worker import DTYPES, build_spec
 
-    train = json.loads(train_json)
+    train, optimizer = json.loads(train_json), json.loads(optimizer_json)
     spec = build_spec(json.loads(model_json))
     model = spec.build(torch.device("meta"), DTYPES[train["param_dtype"]], init=False)
+    apply_knobs(spec, model, train)
     params, trainable = count_params(model)
-    _, label = make_optimizer(instantiate(train["optimizer"], _convert_="all"),
-                              [p for p in model.parameters() if p.requires_grad])
-    return {"params": params, "trainable_params": trainable, "optimizer": label}
+    described = {"params": params, "trainable_params": trainable, "optimizer": optimizer["_target_"].rsplit(".", 1)[-1]}
+    try:
+        partial = instantiate(optimizer, _convert_="all")
+    except Exception as exc:  # Hydra wraps the ImportError of a missing optional package
+        missing = re.search(r"No module named '[^']+'", str(exc))
+        if missing:
+            return described, f"{optimizer['_target_']} cannot be imported here ({missing.group(0)}); install its package"
+        raise ConfigError(f"optimizer {optimizer['_target_']} could not be made from its config: {exc}") from None
+    _, described["optimizer"] = make_optimizer(partial, [p for p in model.parameters() if p.requires_grad])
+    return described, None
 
 
 @functools.lru_cache(maxsize=None)
@@ -100,13 +111,17 @@ def _resolve_backend(name: str) -> str:
     return backends.resolve(name)[0]
 
 
-def validate_point(cfg: dict, point: Point) -> dict:
-    """Check one composed point; return its input columns. Raises ConfigError (one line)."""
+def validate_point(cfg: dict, point: Point) -> tuple[dict, str | None]:
+    """Check one composed point; return its input columns and a reason to skip it, if any. Raises
+    ConfigError (one line) for a value that is not allowed."""
     from vlmprobe.models.base import DataShape
     from vlmprobe.worker import build_spec
 
+    from vlmprobe.knobs import validate_knobs
+
     train, measure = cfg["train"], cfg["measure"]
     measure["backend"] = _resolve_backend(measure["backend"])
+    validate_knobs(train)
     if train["param_dtype"] not in DTYPE_NAMES:
         raise ConfigError(f"train.param_dtype={train['param_dtype']!r} is not allowed: use one of {', '.join(DTYPE_NAMES)}")
     if train["autocast_dtype"] not in (*DTYPE_NAMES[1:], None):
@@ -121,7 +136,7 @@ def validate_point(cfg: dict, point: Point) -> dict:
     except Exception as exc:
         raise ConfigError(f"model {cfg['model'].get('name', '?')!r} could not be built from its config: {exc}") from None
     spec.validate(data)
-    described = _describe_model(json.dumps(cfg["model"], sort_keys=True), json.dumps(train, sort_keys=True))
+    described, skip = _describe_model(*(json.dumps(cfg[k], sort_keys=True) for k in ("model", "train", "optimizer")))
     inputs = {
         "sweep": cfg["sweep"]["name"],
         "point_id": point.id,
@@ -130,18 +145,27 @@ def validate_point(cfg: dict, point: Point) -> dict:
         "dtype": train["param_dtype"],
         "autocast_dtype": train["autocast_dtype"],
         "batch_size": data.batch_size,
+        "grad_accum_steps": train["grad_accum_steps"],
+        "effective_batch_size": data.batch_size * train["grad_accum_steps"],
         "lm_max_length": data.lm_max_length,
         "image_size": spec.image_size(data),
         "images_per_sample": data.images_per_sample,
         "max_pixels": data.max_pixels,
         "image_tokens": spec.image_tokens(data),
+        "grad_ckpt_lm": train["grad_ckpt"]["lm"],
+        "grad_ckpt_vision": train["grad_ckpt"]["vision"],
+        "freeze_vision": train["freeze_vision"],
+        "freeze_lm": train["freeze_lm"],
+        "lora_r": train["lora_r"],
+        "attn_implementation": cfg["model"].get("attn_implementation"),
+        "alloc_conf": measure.get("alloc_conf"),
         "steps": steps,
     }
     for key, value in point.values.items():  # every swept key has a column
         if axis_column(key) not in inputs:
             inputs[axis_column(key)] = value if not isinstance(value, (dict, list)) else json.dumps(value)
-    return inputs
+    return inputs, skip
 
 
 def plan(compose, overrides: list[str], base: dict) -> list[PlannedPoint]:
-    return [PlannedPoint(point, cfg, validate_point(cfg, point)) for point, cfg in compose_points(compose, overrides, base)]
+    return [PlannedPoint(point, cfg, *validate_point(cfg, point)) for point, cfg in compose_points(compose, overrides, base)]

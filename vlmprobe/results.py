@@ -14,7 +14,9 @@ import pandas as pd
 
 INPUT_COLUMNS = [
     "sweep", "point_id", "model", "params", "trainable_params", "dtype", "autocast_dtype", "optimizer",
-    "batch_size", "lm_max_length", "image_size", "images_per_sample", "max_pixels", "image_tokens", "steps",
+    "batch_size", "grad_accum_steps", "effective_batch_size", "lm_max_length", "image_size", "images_per_sample",
+    "max_pixels", "image_tokens", "grad_ckpt_lm", "grad_ckpt_vision", "freeze_vision", "freeze_lm", "lora_r",
+    "attn_implementation", "alloc_conf", "steps",
 ]
 OUTPUT_COLUMNS = [
     "backend", "status",
@@ -23,10 +25,9 @@ OUTPUT_COLUMNS = [
     "peak_reserved_bytes", "last_step_peak_reserved_bytes", "peak_active_bytes",
     "num_alloc_retries", "num_ooms", "nvml_used_bytes", "nvml_process_bytes",
     "after_load_bytes", "forward_peak_bytes", "backward_peak_bytes", "optimizer_peak_bytes", "peak_phase",
-    "params_bytes", "grads_bytes", "optimizer_state_bytes", "activations_bytes",
+    "params_bytes", "grads_bytes", "optimizer_state_bytes", "optimizer_state_dtype", "activations_bytes",
     "oom_request_bytes", "step_time_s", "error",
 ]
-STATUSES = ("ok", "oom", "error", "timeout", "crash")
 MiB, GiB = 2**20, 2**30
 
 

@@ -41,6 +41,7 @@ class StepReport:
     activations_bytes: int = 0  # bytes the last forward left live for backward (saved tensors, logits, loss)
     grads_bytes: int = 0
     optimizer_state_bytes: int = 0
+    optimizer_state_dtype: str = ""  # dtypes of the optimizer state tensors, e.g. "float32"
     step_time_s: float = 0.0  # wall time of the last step
 
 
@@ -52,27 +53,29 @@ def make_optimizer(partial, params) -> tuple[torch.optim.Optimizer, str]:
     """
     accepted = inspect.signature(partial.func).parameters
     chosen = {k: partial.keywords.get(k) for k in ("foreach", "fused") if k in accepted}
-    if "foreach" in chosen and not any(chosen.values()):
+    if "foreach" in chosen and all(v is None for v in chosen.values()):
         partial.keywords["foreach"] = True
         chosen["foreach"] = True
-    impl = next((k for k, v in chosen.items() if v), "single_tensor" if chosen else "")
+    impl = next((k for k, v in chosen.items() if v), "single_tensor" if chosen else "")  # foreach=False: one at a time
     name = partial.func.__name__
     return partial(params), f"{name}({impl})" if impl else name
 
 
-def state_bytes(optimizer: torch.optim.Optimizer, device_type: str) -> int:
-    """Bytes of optimizer state tensors (not AdamW's scalar `step` counters, which CUDA keeps on the CPU)."""
-    return sum(
-        t.untyped_storage().nbytes()
+def state_tensors(optimizer: torch.optim.Optimizer, device_type: str) -> list[torch.Tensor]:
+    """Optimizer state tensors (not AdamW's scalar `step` counters, which CUDA keeps on the CPU)."""
+    return [
+        t
         for state in optimizer.state.values()
         for t in state.values()
         if isinstance(t, torch.Tensor) and t.device.type == device_type and t.dim() > 0
-    )
+    ]
 
 
-def train_steps(spec, model, batch, optimizer, meter: Meter, steps: int, autocast, report: StepReport) -> None:
-    """Run `steps` training steps, filling `report` as they go (so an out-of-memory leaves what was
-    measured before it); `autocast` is a zero-arg factory of the forward's autocast context."""
+def train_steps(spec, model, batch, optimizer, meter: Meter, steps: int, autocast, report: StepReport,
+                accum: int = 1) -> None:
+    """Run `steps` optimizer steps of `accum` micro batches each, filling `report` as they go (so an
+    out-of-memory leaves what was measured before it); `autocast` is a zero-arg factory of the forward's
+    autocast context. Phase peaks are per micro step, the max over all of them."""
     meter.sync()
     meter.reset_peak()  # the peak window opens after load: the model and batch are in `current`
 
@@ -88,13 +91,16 @@ def train_steps(spec, model, batch, optimizer, meter: Meter, steps: int, autocas
         step_peaks: dict[str, int] = {}
         started = time.perf_counter()
         optimizer.zero_grad(set_to_none=True)
-        before_forward = meter.current()
-        with autocast():
-            loss = spec.loss(model, batch)
-        close_phase(step_peaks, "forward")
-        report.activations_bytes = meter.current() - before_forward
-        loss.backward()
-        close_phase(step_peaks, "backward")
+        for _ in range(accum):
+            before_forward = meter.current()
+            with autocast():
+                loss = spec.loss(model, batch)
+                if accum > 1:
+                    loss = loss / accum  # the mean over the effective batch, as accumulation loops do
+            close_phase(step_peaks, "forward")
+            report.activations_bytes = meter.current() - before_forward
+            loss.backward()
+            close_phase(step_peaks, "backward")
         report.grads_bytes = sum(p.grad.untyped_storage().nbytes() for p in model.parameters() if p.grad is not None)
         optimizer.step()
         close_phase(step_peaks, "optimizer")
@@ -103,7 +109,9 @@ def train_steps(spec, model, batch, optimizer, meter: Meter, steps: int, autocas
         for key, value in step_peaks.items():
             report.peaks[key] = max(report.peaks.get(key, 0), value)
     report.peak_phase = max(PHASES, key=lambda p: report.phase_peaks[p])
-    report.optimizer_state_bytes = state_bytes(optimizer, next(model.parameters()).device.type)
+    state = state_tensors(optimizer, next(model.parameters()).device.type)
+    report.optimizer_state_bytes = sum(t.untyped_storage().nbytes() for t in state)
+    report.optimizer_state_dtype = ",".join(sorted({str(t.dtype).removeprefix("torch.") for t in state}))
 
 
 def autocast_factory(device_type: str, dtype: torch.dtype | None):

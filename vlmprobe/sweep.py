@@ -91,7 +91,7 @@ def run_sweep(planned, out_dir: Path, columns: list[str]) -> list[str]:
     bar = tqdm(todo, desc="points", unit="point", dynamic_ncols=True)
     for item in bar:
         bar.set_postfix_str(item.point.id)
-        outputs = run_point(item.config)
+        outputs = {"status": "skipped", "error": item.skip} if item.skip else run_point(item.config)
         outputs.setdefault("backend", item.config["measure"]["backend"])
         row = {**item.inputs, **outputs}
         writer.append(row)

@@ -13,6 +13,7 @@ import traceback
 import torch
 
 from vlmprobe import backends
+from vlmprobe.knobs import apply_knobs
 from vlmprobe.models.base import DataShape
 from vlmprobe.step import StepReport, make_optimizer, train_steps
 
@@ -41,15 +42,17 @@ def measure(point: dict) -> dict:
     with backend.session(point["measure"].get("device_memory")) as meter:
         try:
             model = spec.build(backend.device(), DTYPES[train["param_dtype"]])
+            apply_knobs(spec, model, train)
             model.train()
             batch = spec.batch(data, backend.device())
             trainable = [p for p in model.parameters() if p.requires_grad]
-            optimizer, _ = make_optimizer(instantiate(train["optimizer"], _convert_="all"), trainable)
+            optimizer, _ = make_optimizer(instantiate(point["optimizer"], _convert_="all"), trainable)
             meter.sync()
             out["after_load_bytes"] = meter.current()
             out["params_bytes"] = sum(p.untyped_storage().nbytes() for p in model.parameters())
             autocast = backend.autocast(DTYPES.get(train.get("autocast_dtype") or ""))
-            train_steps(spec, model, batch, optimizer, meter, point["measure"]["steps"], autocast, report)
+            train_steps(spec, model, batch, optimizer, meter, point["measure"]["steps"], autocast, report,
+                        accum=train["grad_accum_steps"])
         except torch.OutOfMemoryError as exc:
             from vlmprobe.tracker import requested_bytes
 
@@ -75,6 +78,7 @@ def _report_columns(report: StepReport) -> dict:
         "activations_bytes": report.activations_bytes if done else None,
         "grads_bytes": report.grads_bytes if done else None,
         "optimizer_state_bytes": report.optimizer_state_bytes if done else None,
+        "optimizer_state_dtype": report.optimizer_state_dtype or None,
         "step_time_s": round(report.step_time_s, 4) if done else None,
     }
 

@@ -79,7 +79,7 @@ class TrackedBackend(Backend):
                 # allow_non_fake_inputs: module buffers made from Python constants may be real
                 stack.enter_context(FakeTensorMode(allow_non_fake_inputs=True))
                 stack.enter_context(real_run_answers_for_fake_batches())
-            tracker = stack.enter_context(LiveBytesTracker(capacity))
+            tracker = stack.enter_context(LiveBytesTracker(capacity, answer_fake_scalar_reads=self.fake))
             yield TrackerMeter(tracker)
 
     def describe(self) -> dict:

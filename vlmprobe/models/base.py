@@ -61,6 +61,11 @@ class ModelSpec(abc.ABC):
                 f"{tokens} tokens, so it must be at least {tokens + 1}"
             )
 
+    def towers(self, model: nn.Module) -> dict[str, list[nn.Module]]:
+        """{"vision": [...], "lm": [...]}: the modules the freeze / checkpointing / LoRA knobs act on (the LM
+        with its head; a projector between the two belongs to neither and stays trainable)."""
+        raise ConfigError(f"model {self.name} does not say which modules are its towers")
+
     @abc.abstractmethod
     def _construct(self) -> nn.Module:
         """Create the module (called under the device, dtype and no-init contexts)."""

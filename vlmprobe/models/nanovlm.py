@@ -78,6 +78,9 @@ class NanoVLMSpec(ModelSpec):
         patches = (size // self.vision["patch_size"]) ** 2
         return data.images_per_sample * patches // self.pixel_shuffle_factor**2
 
+    def towers(self, model: nn.Module) -> dict[str, list[nn.Module]]:
+        return {"vision": [model.vision], "lm": [model.lm]}
+
     def _configs(self):
         from transformers import LlamaConfig, SiglipVisionConfig
 

@@ -1,0 +1,99 @@
+"""Training knobs that change a built model: activation checkpointing, frozen towers, LoRA adapters.
+
+Applied to the model the worker measures and to the meta-device model the planner counts parameters on,
+so `trainable_params` in a row is what the optimizer really got.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+from torch import nn
+
+from vlmprobe.errors import ConfigError
+
+
+def apply_knobs(spec, model: nn.Module, train: dict) -> None:
+    from transformers import PreTrainedModel
+
+    if not (any(train["grad_ckpt"].values()) or train["freeze_vision"] or train["freeze_lm"] or train["lora_r"]):
+        return  # full fine-tune as built
+    towers = spec.towers(model)
+    for tower in ("lm", "vision"):
+        if train["grad_ckpt"][tower]:
+            for module in towers[tower]:
+                if isinstance(module, PreTrainedModel):
+                    # non-reentrant: works with frozen inputs and is what current training code uses
+                    module.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    for tower in ("vision", "lm"):
+        if train[f"freeze_{tower}"]:
+            for module in towers[tower]:
+                module.requires_grad_(False)
+    if train["lora_r"]:
+        add_lora(towers["lm"], train)
+
+
+def add_lora(modules: list[nn.Module], train: dict) -> None:
+    """Inject peft LoRA adapters into the LM in place and leave only the adapters trainable there. As
+    get_peft_model does, adapters of a bf16/fp16 model are kept in float32 (autocast_adapter_dtype)."""
+    from peft import LoraConfig, inject_adapter_in_model
+    from peft.tuners.tuners_utils import cast_adapter_dtype
+
+    config = LoraConfig(r=train["lora_r"], lora_alpha=train["lora_alpha"], lora_dropout=train["lora_dropout"],
+                        target_modules=list(train["lora_target_modules"]))
+    injected = 0
+    for module in modules:
+        if any(isinstance(m, nn.Linear) and name.split(".")[-1] in config.target_modules for name, m in module.named_modules()):
+            with fake_modules_move_by_data():
+                inject_adapter_in_model(config, module)
+            cast_adapter_dtype(module, "default", autocast_adapter_dtype=True)
+        for name, param in module.named_parameters():
+            param.requires_grad_("lora_" in name)
+            injected += "lora_" in name
+    if not injected:
+        raise ConfigError(f"train.lora_target_modules={list(train['lora_target_modules'])} is not allowed: no linear "
+                          f"layer of the language model has such a name")
+
+
+@contextlib.contextmanager
+def fake_modules_move_by_data():
+    """peft moves each new adapter to its base layer with Module.to, which fake modules cannot take: torch
+    swaps a fake parameter's tensor, and every fake Parameter carries a weakref that forbids the swap. While
+    active, Module.to on a module holding fake tensors converts their dtype through `.data` (what Module.to
+    does for real tensors) and leaves the device (fake tensors all live on the CPU)."""
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    to = nn.Module.to
+
+    def to_by_data(self, *args, **kwargs):
+        tensors = [*self.parameters(), *self.buffers()]
+        if not any(isinstance(t, FakeTensor) for t in tensors):
+            return to(self, *args, **kwargs)
+        _, dtype, _, _ = torch._C._nn._parse_to(*args, **kwargs)
+        for t in tensors:
+            if dtype is not None and t.is_floating_point() and t.dtype != dtype:
+                t.data = t.data.to(dtype)
+        return self
+
+    nn.Module.to = to_by_data
+    try:
+        yield
+    finally:
+        nn.Module.to = to
+
+
+def validate_knobs(train: dict) -> None:
+    """One line per bad knob value, before anything is built."""
+    for key in ("freeze_vision", "freeze_lm"):
+        if not isinstance(train[key], bool):
+            raise ConfigError(f"train.{key}={train[key]!r} is not allowed: use true or false")
+    for key in ("lm", "vision"):
+        if not isinstance(train["grad_ckpt"][key], bool):
+            raise ConfigError(f"train.grad_ckpt.{key}={train['grad_ckpt'][key]!r} is not allowed: use true or false")
+    for key, low in (("lora_r", 0), ("grad_accum_steps", 1)):
+        value = train[key]
+        if not isinstance(value, int) or isinstance(value, bool) or value < low:
+            raise ConfigError(f"train.{key}={value!r} is not allowed: it must be an integer >= {low}")
+    if not 0.0 <= float(train["lora_dropout"]) < 1.0:
+        raise ConfigError(f"train.lora_dropout={train['lora_dropout']!r} is not allowed: it must be in [0, 1)")
