@@ -54,4 +54,4 @@ def test_published_parameter_count_of_nanovlm_222m(compose):
     model = spec.build(torch.device("meta"), torch.float32, init=False)
     assert count_params(model) == (222_083_328, 222_083_328)
     assert sum(p.numel() for p in model.projector.parameters()) == 768 * 4 * 576
-    assert model.lm.lm_head.weight is model.lm.get_input_embeddings().weight  # tied
+    assert model.lm.head.weight is model.lm.embed.weight  # tied

@@ -25,8 +25,20 @@ def test_batch_shapes_and_labels_match_a_hand_computation(spec):
     batch = tiny.batch(data, torch.device("cpu"))
     assert batch["input_ids"].shape == (3, 20)
     assert batch["pixel_values"].shape == (6, 3, 64, 64)
+    assert batch["attention_mask"].shape == (3, 20) and bool(batch["attention_mask"].all())  # no padding
     assert tiny.image_tokens(data) == 8
     assert (batch["labels"][:, :8] == IGNORE_INDEX).all() and (batch["labels"][:, 8:] >= 0).all()
+
+
+def test_hold_outputs_keeps_the_logits_alive_through_backward_and_the_optimizer_step(point):
+    from vlmprobe.worker import measure
+
+    base = ["model=nanovlm_tiny", "data.batch_size=4", "data.lm_max_length=64", "measure.backend=estimate",
+            "train.autocast_dtype=null"]
+    dropped, held = (measure(point(base + [f"measure.hold_outputs={h}"])) for h in ("false", "true"))
+    logits = 4 * 64 * 512 * 4  # B x L x vocab x fp32
+    assert held["backward_peak_bytes"] - dropped["backward_peak_bytes"] >= logits
+    assert held["optimizer_peak_bytes"] - dropped["optimizer_peak_bytes"] >= logits
 
 
 def test_pixel_shuffle_folds_each_2x2_block_of_patches_into_one_token():
@@ -40,9 +52,9 @@ def test_tiny_model_trains_one_step(spec):
     tiny = spec("nanovlm_tiny")
     model = tiny.build("cpu", torch.float32)
     batch = tiny.batch(DataShape(batch_size=2, lm_max_length=16), torch.device("cpu"))
-    loss = tiny.loss(model, batch)
+    loss, logits = tiny.loss(model, batch)
     loss.backward()
-    assert torch.isfinite(loss)
+    assert torch.isfinite(loss) and logits.shape == (2, 16, 512)
     assert all(p.grad is not None for p in model.parameters())
 
 

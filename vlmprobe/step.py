@@ -72,10 +72,14 @@ def state_tensors(optimizer: torch.optim.Optimizer, device_type: str) -> list[to
 
 
 def train_steps(spec, model, batch, optimizer, meter: Meter, steps: int, autocast, report: StepReport,
-                accum: int = 1) -> None:
+                accum: int = 1, hold_outputs: bool = False) -> None:
     """Run `steps` optimizer steps of `accum` micro batches each, filling `report` as they go (so an
     out-of-memory leaves what was measured before it); `autocast` is a zero-arg factory of the forward's
-    autocast context. Phase peaks are per micro step, the max over all of them."""
+    autocast context. Phase peaks are per micro step, the max over all of them.
+
+    hold_outputs keeps each forward's outputs (the logits) alive until the next forward has returned, as a
+    loop that writes `_, loss = model(...)` does (nanoVLM's measure_vram.py); otherwise they die with the
+    forward, once autograd no longer needs them."""
     meter.sync()
     meter.reset_peak()  # the peak window opens after load: the model and batch are in `current`
 
@@ -87,6 +91,7 @@ def train_steps(spec, model, batch, optimizer, meter: Meter, steps: int, autocas
             step_peaks[key] = max(step_peaks.get(key, 0), value)
         meter.reset_peak()
 
+    held = None
     for _ in range(steps):
         step_peaks: dict[str, int] = {}
         started = time.perf_counter()
@@ -94,9 +99,11 @@ def train_steps(spec, model, batch, optimizer, meter: Meter, steps: int, autocas
         for _ in range(accum):
             before_forward = meter.current()
             with autocast():
-                loss = spec.loss(model, batch)
+                loss, outputs = spec.loss(model, batch)
                 if accum > 1:
                     loss = loss / accum  # the mean over the effective batch, as accumulation loops do
+            held = outputs if hold_outputs else None  # this reference is what keeps them alive
+            del outputs
             close_phase(step_peaks, "forward")
             report.activations_bytes = meter.current() - before_forward
             loss.backward()

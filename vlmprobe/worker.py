@@ -52,7 +52,7 @@ def measure(point: dict) -> dict:
             out["params_bytes"] = sum(p.untyped_storage().nbytes() for p in model.parameters())
             autocast = backend.autocast(DTYPES.get(train.get("autocast_dtype") or ""))
             train_steps(spec, model, batch, optimizer, meter, point["measure"]["steps"], autocast, report,
-                        accum=train["grad_accum_steps"])
+                        accum=train["grad_accum_steps"], hold_outputs=point["measure"]["hold_outputs"])
         except torch.OutOfMemoryError as exc:
             from vlmprobe.tracker import requested_bytes
 

@@ -75,8 +75,9 @@ class ModelSpec(abc.ABC):
         """Forward kwargs (with labels) for one synthetic micro batch: shapes decide memory, content does not."""
 
     @abc.abstractmethod
-    def loss(self, model: nn.Module, batch: dict) -> torch.Tensor:
-        """The training loss of `batch`, as the family's own training code computes it."""
+    def loss(self, model: nn.Module, batch: dict) -> tuple[torch.Tensor, object]:
+        """(loss, outputs) of `batch`, as the family's own training code computes them; `outputs` is what the
+        model returned (logits), which a training loop may keep alive (measure.hold_outputs)."""
 
     def build(self, device: torch.device | str, dtype: torch.dtype, *, init: bool = True) -> nn.Module:
         """The model with random weights, created directly on `device` in `dtype`.

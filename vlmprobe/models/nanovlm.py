@@ -1,9 +1,21 @@
-"""nanoVLM: a SigLIP vision tower, a pixel-shuffle projector and a Llama-architecture LM.
+"""nanoVLM: a SigLIP-style ViT, a pixel-shuffle projector and a Llama-style LM, computed as nanoVLM's own
+code computes them (huggingface/nanoVLM at the commit of issue #103, 731d8c6 / 91a3b93), so that the
+activations saved for backward are nanoVLM's, not those of another implementation of the same weights.
 
-Built from transformers parts (SiglipVisionModel without pooling head, LlamaForCausalLM), which gives
-nanoVLM-222M's exact parameter count. As in nanoVLM's training code, the image tokens sit inside
-`lm_max_length` (their placeholder embeddings are replaced by the projected image features), the LM
-head runs over every position and the loss is cross-entropy with ignore_index -100.
+What matters for memory, and is reproduced here (behaviour, written independently):
+- ViT: Conv2d patch embedding plus a learned position embedding (no CLS token); one fused qkv Linear with
+  bias per block, split into views; SDPA without mask; tanh-GELU MLP; pre-norm LayerNorms; final LayerNorm.
+- Projector: pixel shuffle (view, 6-d reshape, permute + contiguous copy, reshape), Linear without bias.
+- LM: RMSNorm without dtype casts (fp32 residual stream); RoPE recomputed every call for the batch's
+  position ids (B, L, head_dim) in fp32; K and V expanded to all heads with repeat_interleave before SDPA;
+  an additive fp32 (B, 1, 1, L) padding mask passed with is_causal=True (CUDA runs the memory-efficient
+  kernel); SiLU-gated MLP; final RMSNorm; head tied to the token embedding.
+- The image features replace the first n_image_tokens positions (nanoVLM writes them over the image
+  placeholders; a fixed slice keeps shapes static for fake tensors); the head runs over every position and
+  the loss is cross-entropy with ignore_index -100 over all of them.
+Not reproduced: the per-layer KV-cache list nanoVLM builds and keeps until the forward returns (it raises
+the forward-phase peak, not the backward peak that sets the step's peak); dropout layers (p = 0 there).
+Parameter names differ from nanoVLM's; counts are the same (nanoVLM-222M: 222,083,328 with 3 added tokens).
 """
 
 from __future__ import annotations
@@ -18,42 +30,167 @@ from vlmprobe.errors import ConfigError
 from vlmprobe.models.base import DataShape, ModelSpec
 
 IGNORE_INDEX = -100
+ATTENTION = ("sdpa", "eager")
+
+
+def attention(q, k, v, mask, is_causal: bool, implementation: str) -> torch.Tensor:
+    """SDPA, or the unfused math (softmax(QK^T / sqrt(d) + mask) V, which keeps the (B, H, L, L) weights)."""
+    if implementation == "sdpa":
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal)
+    scores = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])
+    if is_causal:
+        length = q.shape[-2]
+        causal = torch.ones(length, length, dtype=torch.bool, device=q.device).tril()
+        scores = scores.masked_fill(~causal, torch.finfo(scores.dtype).min)
+    if mask is not None:
+        scores = scores + mask
+    return F.softmax(scores, dim=-1) @ v
+
+
+class ViTBlock(nn.Module):
+    def __init__(self, hidden: int, heads: int, mlp: int, eps: float, implementation: str):
+        super().__init__()
+        self.heads, self.implementation = heads, implementation
+        self.norm1 = nn.LayerNorm(hidden, eps=eps)
+        self.qkv = nn.Linear(hidden, 3 * hidden)
+        self.out = nn.Linear(hidden, hidden)
+        self.norm2 = nn.LayerNorm(hidden, eps=eps)
+        self.fc1 = nn.Linear(hidden, mlp)
+        self.fc2 = nn.Linear(mlp, hidden)
+
+    def forward(self, x):
+        b, s, d = x.shape
+        q, k, v = self.qkv(self.norm1(x)).view(b, s, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
+        y = attention(q, k, v, None, False, self.implementation)
+        x = x + self.out(y.transpose(1, 2).reshape(b, s, d))
+        return x + self.fc2(F.gelu(self.fc1(self.norm2(x)), approximate="tanh"))
+
+
+class ViT(nn.Module):
+    def __init__(self, cfg: dict, image_size: int, implementation: str):
+        super().__init__()
+        hidden, patch = cfg["hidden_size"], cfg["patch_size"]
+        self.patch = nn.Conv2d(cfg.get("num_channels", 3), hidden, kernel_size=patch, stride=patch)
+        self.position = nn.Parameter(torch.empty(1, (image_size // patch) ** 2, hidden))
+        self.blocks = nn.ModuleList(
+            ViTBlock(hidden, cfg["num_attention_heads"], cfg["intermediate_size"], cfg["layer_norm_eps"], implementation)
+            for _ in range(cfg["num_hidden_layers"]))
+        self.norm = nn.LayerNorm(hidden, eps=cfg["layer_norm_eps"])
+
+    def forward(self, pixel_values):
+        # images arrive fp32; with bf16 weights and no autocast they take the weights' dtype (as HF towers do)
+        x = self.patch(pixel_values.to(self.patch.weight.dtype)).flatten(2).transpose(1, 2) + self.position
+        for block in self.blocks:
+            x = block(x)
+        return self.norm(x)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, hidden: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.empty(hidden))
+
+    def forward(self, x):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
+
+
+def rotate_half(x):
+    first, second = x.chunk(2, dim=-1)
+    return torch.cat((-second, first), dim=-1)
+
+
+class LMBlock(nn.Module):
+    def __init__(self, cfg: dict, implementation: str):
+        super().__init__()
+        hidden, heads, kv_heads = cfg["hidden_size"], cfg["num_attention_heads"], cfg["num_key_value_heads"]
+        self.heads, self.kv_heads, self.head_dim = heads, kv_heads, hidden // heads
+        self.implementation = implementation
+        self.norm1 = RMSNorm(hidden, cfg["rms_norm_eps"])
+        self.q_proj = nn.Linear(hidden, hidden, bias=False)
+        self.k_proj = nn.Linear(hidden, kv_heads * self.head_dim, bias=False)
+        self.v_proj = nn.Linear(hidden, kv_heads * self.head_dim, bias=False)
+        self.o_proj = nn.Linear(hidden, hidden, bias=False)
+        self.norm2 = RMSNorm(hidden, cfg["rms_norm_eps"])
+        self.gate_proj = nn.Linear(hidden, cfg["intermediate_size"], bias=False)
+        self.up_proj = nn.Linear(hidden, cfg["intermediate_size"], bias=False)
+        self.down_proj = nn.Linear(cfg["intermediate_size"], hidden, bias=False)
+
+    def forward(self, x, cos, sin, mask):
+        b, s, d = x.shape
+        h = self.norm1(x)
+        q = self.q_proj(h).view(b, s, self.heads, self.head_dim).transpose(1, 2)
+        k = self.k_proj(h).view(b, s, self.kv_heads, self.head_dim).transpose(1, 2)
+        v = self.v_proj(h).view(b, s, self.kv_heads, self.head_dim).transpose(1, 2)
+        q = q * cos + rotate_half(q) * sin  # bf16 x fp32: q and k come out fp32, as in nanoVLM
+        k = k * cos + rotate_half(k) * sin
+        groups = self.heads // self.kv_heads
+        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+        y = attention(q, k, v, mask, True, self.implementation)
+        x = x + self.o_proj(y.transpose(1, 2).contiguous().view(b, s, d))
+        h = self.norm2(x)
+        return x + self.down_proj(F.silu(self.gate_proj(h)) * self.up_proj(h))
+
+
+class LM(nn.Module):
+    def __init__(self, cfg: dict, implementation: str):
+        super().__init__()
+        self.embed = nn.Embedding(cfg["vocab_size"], cfg["hidden_size"])
+        self.blocks = nn.ModuleList(LMBlock(cfg, implementation) for _ in range(cfg["num_hidden_layers"]))
+        self.norm = RMSNorm(cfg["hidden_size"], cfg["rms_norm_eps"])
+        self.head = nn.Linear(cfg["hidden_size"], cfg["vocab_size"], bias=False)
+        self.head.weight = self.embed.weight  # tied
+        head_dim = cfg["hidden_size"] // cfg["num_attention_heads"]
+        self.register_buffer(
+            "inv_freq", 1.0 / cfg["rope_theta"] ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim),
+            persistent=False)
+
+    def rope(self, batch: int, length: int, device):
+        """cos, sin of shape (B, 1, L, head_dim) in the weights' dtype (fp32 in nanoVLM's fp32 + autocast
+        training; bf16 for pure bf16 weights, where fp32 would leave q, k and v in different dtypes),
+        recomputed every call for the batch's positions."""
+        with torch.no_grad():
+            positions = torch.arange(length, device=device).unsqueeze(0).expand(batch, -1)
+            freqs = positions[..., None].float() * self.inv_freq.float()
+            emb = torch.cat((freqs, freqs), dim=-1)
+            dtype = self.embed.weight.dtype
+            return emb.cos().unsqueeze(1).to(dtype), emb.sin().unsqueeze(1).to(dtype)
+
+    def forward(self, embeds, attention_mask):
+        b, s, _ = embeds.shape
+        cos, sin = self.rope(b, s, embeds.device)
+        # additive padding mask, fp32 (B, 1, 1, L): 0 where attended, the bf16 minimum where padded
+        mask = (1.0 - attention_mask.float())[:, None, None, :] * torch.finfo(torch.bfloat16).min
+        x = embeds
+        for block in self.blocks:
+            x = block(x, cos, sin, mask)
+        return self.head(self.norm(x))
 
 
 def pixel_shuffle(x: torch.Tensor, factor: int) -> torch.Tensor:
-    """(B, S, D) patch features -> (B, S / factor^2, D * factor^2): each factor x factor block of the
-    patch grid becomes one token, as nanoVLM's ModalityProjector does."""
+    """(B, S, D) patch features -> (B, S / factor^2, D * factor^2): each factor x factor block of the patch
+    grid becomes one token."""
     b, s, d = x.shape
     side = math.isqrt(s)
-    x = x.view(b, side // factor, factor, side // factor, factor, d)
-    return x.permute(0, 1, 3, 2, 4, 5).reshape(b, s // factor**2, d * factor**2)
+    x = x.view(b, side, side, d).reshape(b, side // factor, factor, side // factor, factor, d)
+    return x.permute(0, 1, 3, 2, 4, 5).contiguous().reshape(b, s // factor**2, d * factor**2)
 
 
 class NanoVLM(nn.Module):
-    def __init__(self, vision_config, text_config, pixel_shuffle_factor: int):
-        from transformers import LlamaForCausalLM, SiglipVisionModel
-
+    def __init__(self, vision: dict, text: dict, image_size: int, pixel_shuffle_factor: int, implementation: str):
         super().__init__()
         self.pixel_shuffle_factor = pixel_shuffle_factor
-        self.vision = SiglipVisionModel(vision_config)
-        self.projector = nn.Linear(
-            vision_config.hidden_size * pixel_shuffle_factor**2, text_config.hidden_size, bias=False
-        )
-        self.lm = LlamaForCausalLM(text_config)
-        self.lm.tie_weights()
+        self.vision = ViT(vision, image_size, implementation)
+        self.projector = nn.Linear(vision["hidden_size"] * pixel_shuffle_factor**2, text["hidden_size"], bias=False)
+        self.lm = LM(text, implementation)
 
-    def forward(self, input_ids: torch.Tensor, pixel_values: torch.Tensor) -> torch.Tensor:
-        """Logits (B, L, V). The first `n` positions of each sample hold its n image tokens (nanoVLM puts
-        the image before the prompt); a fixed slice keeps shapes static, which fake tensors need."""
-        features = self.vision(pixel_values=pixel_values).last_hidden_state
-        image_embeds = self.projector(pixel_shuffle(features, self.pixel_shuffle_factor))
-        batch = input_ids.shape[0]
-        image_embeds = image_embeds.reshape(batch, -1, image_embeds.shape[-1])
-        token_embeds = self.lm.get_input_embeddings()(input_ids[:, image_embeds.shape[1]:])
-        embeds = torch.cat([image_embeds.to(token_embeds.dtype), token_embeds], dim=1)
-        # No attention mask: every synthetic sample fills lm_max_length, so the causal SDPA path needs none
-        # (a mask would make transformers materialise a (B, 1, L, L) tensor that a padded-free run skips).
-        return self.lm(inputs_embeds=embeds, attention_mask=None, use_cache=False).logits
+    def forward(self, input_ids, attention_mask, pixel_values):
+        """Logits (B, L, V); the first n positions of each sample hold its n image tokens."""
+        image = self.projector(pixel_shuffle(self.vision(pixel_values), self.pixel_shuffle_factor))
+        image = image.reshape(input_ids.shape[0], -1, image.shape[-1])
+        tokens = self.lm.embed(input_ids[:, image.shape[1]:])
+        embeds = torch.cat([image.to(tokens.dtype), tokens], dim=1)
+        return self.lm(embeds, attention_mask)
 
 
 class NanoVLMSpec(ModelSpec):
@@ -61,11 +198,14 @@ class NanoVLMSpec(ModelSpec):
 
     def __init__(self, name: str, vision: dict, text: dict, pixel_shuffle_factor: int, image_size: int,
                  attn_implementation: str = "sdpa"):
+        if attn_implementation not in ATTENTION:
+            raise ConfigError(f"model.attn_implementation={attn_implementation!r} is not allowed for nanoVLM: "
+                              f"use one of {', '.join(ATTENTION)}")
         self.name = name
         self.vision = dict(vision)
         self.text = dict(text)
         self.pixel_shuffle_factor = pixel_shuffle_factor
-        self.native_image_size = image_size  # pixels per side the vision tower's position embeddings cover
+        self.native_image_size = image_size  # pixels per side the ViT's position embedding covers
         self.attn_implementation = attn_implementation
 
     def image_tokens(self, data: DataShape) -> int:
@@ -81,31 +221,26 @@ class NanoVLMSpec(ModelSpec):
     def towers(self, model: nn.Module) -> dict[str, list[nn.Module]]:
         return {"vision": [model.vision], "lm": [model.lm]}
 
-    def _configs(self):
-        from transformers import LlamaConfig, SiglipVisionConfig
-
-        vision = SiglipVisionConfig(**self.vision, image_size=self.native_image_size, vision_use_head=False,
-                                    attn_implementation=self.attn_implementation)
-        text = LlamaConfig(**self.text, tie_word_embeddings=True, use_cache=False,
-                           attn_implementation=self.attn_implementation)
-        return vision, text
-
     def _construct(self) -> nn.Module:
-        vision, text = self._configs()
-        return NanoVLM(vision, text, self.pixel_shuffle_factor)
+        return NanoVLM(self.vision, self.text, self.native_image_size, self.pixel_shuffle_factor,
+                       self.attn_implementation)
 
     def batch(self, data: DataShape, device: torch.device) -> dict:
         size = self.image_size(data)
-        images = data.batch_size * data.images_per_sample
         n_image = self.image_tokens(data)
-        vocab = self.text["vocab_size"]
-        input_ids = torch.randint(0, vocab, (data.batch_size, data.lm_max_length), device=device)
+        shape = (data.batch_size, data.lm_max_length)
+        input_ids = torch.randint(0, self.text["vocab_size"], shape, device=device)
         labels = input_ids.clone()
         labels[:, :n_image].fill_(IGNORE_INDEX)  # no loss on image positions
-        pixel_values = torch.randn(images, self.vision.get("num_channels", 3), size, size, device=device)
-        return {"input_ids": input_ids, "pixel_values": pixel_values, "labels": labels}
+        pixel_values = torch.randn(data.batch_size * data.images_per_sample, self.vision.get("num_channels", 3),
+                                   size, size, device=device)
+        # nanoVLM's collator pads every sample to lm_max_length; synthetic samples fill it, so the mask is all ones
+        attention_mask = torch.ones(shape, dtype=torch.long, device=device)
+        return {"input_ids": input_ids, "attention_mask": attention_mask, "pixel_values": pixel_values,
+                "labels": labels}
 
-    def loss(self, model: nn.Module, batch: dict) -> torch.Tensor:
-        logits = model(batch["input_ids"], batch["pixel_values"])
-        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), batch["labels"].reshape(-1),
+    def loss(self, model: nn.Module, batch: dict):
+        logits = model(batch["input_ids"], batch["attention_mask"], batch["pixel_values"])
+        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), batch["labels"].reshape(-1),
                                ignore_index=IGNORE_INDEX)
+        return loss, logits
