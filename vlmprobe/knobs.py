@@ -14,23 +14,37 @@ from vlmprobe.errors import ConfigError
 
 
 def apply_knobs(spec, model: nn.Module, train: dict) -> None:
-    from transformers import PreTrainedModel
-
     if not (any(train["grad_ckpt"].values()) or train["freeze_vision"] or train["freeze_lm"] or train["lora_r"]):
         return  # full fine-tune as built
     towers = spec.towers(model)
     for tower in ("lm", "vision"):
         if train["grad_ckpt"][tower]:
             for module in towers[tower]:
-                if isinstance(module, PreTrainedModel):
-                    # non-reentrant: works with frozen inputs and is what current training code uses
-                    module.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+                checkpoint_layers(module)
     for tower in ("vision", "lm"):
         if train[f"freeze_{tower}"]:
             for module in towers[tower]:
                 module.requires_grad_(False)
     if train["lora_r"]:
         add_lora(towers["lm"], train)
+
+
+def checkpoint_layers(module: nn.Module) -> None:
+    """Recompute each layer's activations in backward instead of saving them (non-reentrant: works with
+    frozen inputs and is what current training code uses). transformers models do it their way; our own
+    modules (nanoVLM) have their layers in `.blocks`."""
+    import functools
+
+    from torch.utils.checkpoint import checkpoint
+    from transformers import PreTrainedModel
+
+    if isinstance(module, PreTrainedModel):
+        module.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    elif isinstance(getattr(module, "blocks", None), nn.ModuleList):
+        for block in module.blocks:
+            block.forward = functools.partial(checkpoint, block.forward, use_reentrant=False)
+    else:
+        raise ConfigError(f"train.grad_ckpt is not allowed for {type(module).__name__}: it has no layers to checkpoint")
 
 
 def add_lora(modules: list[nn.Module], train: dict) -> None:

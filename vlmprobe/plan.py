@@ -96,7 +96,11 @@ def _describe_model(model_json: str, train_json: str, optimizer_json: str) -> tu
     try:
         partial = instantiate(optimizer, _convert_="all")
     except Exception as exc:  # Hydra wraps the ImportError of a missing optional package
-        missing = re.search(r"No module named '[^']+'", str(exc))
+        chain, cause = [], exc
+        while cause is not None:
+            chain.append(str(cause))
+            cause = cause.__cause__ or cause.__context__
+        missing = re.search(r"No module named '[^']+'", " ".join(chain))
         if missing:
             return described, f"{optimizer['_target_']} cannot be imported here ({missing.group(0)}); install its package"
         raise ConfigError(f"optimizer {optimizer['_target_']} could not be made from its config: {exc}") from None

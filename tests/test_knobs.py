@@ -1,0 +1,136 @@
+"""Each training knob changes what it should and nothing else, on the tiny nanoVLM with the estimate
+backend; expected sizes are hand computations from the parameter counts."""
+
+import pytest
+import torch
+from hydra.utils import instantiate
+
+from vlmprobe.models.base import count_params
+from vlmprobe.worker import measure
+
+BASE = ["model=nanovlm_tiny", "data.batch_size=2", "data.lm_max_length=64", "measure.backend=estimate"]
+MODEL = ("params_bytes",)
+TRAINING_STATE = ("params_bytes", "grads_bytes", "optimizer_state_bytes")
+
+
+@pytest.fixture
+def run(plan_points):
+    """run(*overrides) -> (inputs, outputs) of one point."""
+
+    def _run(*extra):
+        (planned,) = plan_points(BASE + list(extra))
+        return planned.inputs, measure(planned.config)
+
+    return _run
+
+
+@pytest.fixture
+def tower_params(compose):
+    spec = instantiate(compose(["model=nanovlm_tiny"]).model, _convert_="all")
+    model = spec.build("meta", torch.float32, init=False)
+    return {"all": count_params(model)[0], "vision": count_params(model.vision)[0], "lm": count_params(model.lm)[0]}
+
+
+def same(a, b, keys):
+    return {k: a[k] for k in keys} == {k: b[k] for k in keys}
+
+
+@pytest.mark.parametrize("tower", ["lm", "vision"])
+def test_checkpointing_a_tower_saves_activations_and_changes_no_training_state(run, tower):
+    _, base = run()
+    inputs, ckpt = run(f"train.grad_ckpt.{tower}=true")
+    assert ckpt["activations_bytes"] < base["activations_bytes"]
+    assert same(ckpt, base, TRAINING_STATE) and inputs[f"grad_ckpt_{tower}"] is True
+
+
+@pytest.mark.parametrize("tower", ["lm", "vision"])
+def test_freezing_a_tower_drops_its_grads_and_optimizer_state(run, tower_params, tower):
+    inputs, frozen = run(f"train.freeze_{tower}=true")
+    trainable = tower_params["all"] - tower_params[tower]
+    assert inputs["trainable_params"] == trainable
+    assert frozen["grads_bytes"] == 4 * trainable  # fp32 grads
+    assert frozen["optimizer_state_bytes"] == 2 * 4 * trainable  # AdamW: two fp32 moments
+    assert frozen["params_bytes"] == 4 * tower_params["all"]  # the frozen weights are still there
+
+
+def test_lora_trains_adapters_on_the_lm_and_leaves_the_vision_tower_trainable(run, tower_params):
+    inputs, lora = run("train.lora_r=4", "train.lora_target_modules=[q_proj,v_proj]")
+    # tiny LM: 2 layers, hidden 32, 4 heads x 8 = q out 32, 2 kv heads x 8 = v out 16
+    # adapters per layer: q: 4 x (32 + 32), v: 4 x (32 + 16)
+    adapters = 2 * (4 * (32 + 32) + 4 * (32 + 16))
+    projector = tower_params["all"] - tower_params["vision"] - tower_params["lm"]
+    assert inputs["trainable_params"] == tower_params["vision"] + projector + adapters
+    assert inputs["params"] == tower_params["all"] + adapters
+    assert lora["grads_bytes"] == 4 * inputs["trainable_params"]
+
+
+@pytest.mark.parametrize("option,label,moments", [
+    ("adamw", "AdamW(foreach)", 2), ("adamw_fused", "AdamW(fused)", 2),
+    ("adamw_single_tensor", "AdamW(single_tensor)", 2), ("sgd_momentum", "SGD(foreach)", 1),
+])
+def test_optimizer_state_is_its_number_of_moments_times_the_weights(run, tower_params, option, label, moments):
+    inputs, row = run(f"optimizer={option}")
+    assert inputs["optimizer"] == label
+    assert row["optimizer_state_bytes"] == moments * 4 * tower_params["all"]
+    assert row["optimizer_state_dtype"] == "float32"
+
+
+def test_foreach_adamw_needs_a_params_sized_temporary_that_fused_and_single_tensor_do_not(run, tower_params):
+    peaks = {o: run(f"optimizer={o}")[1]["optimizer_peak_bytes"] for o in ("adamw", "adamw_fused", "adamw_single_tensor")}
+    assert peaks["adamw"] - peaks["adamw_fused"] >= 4 * tower_params["all"] * 0.9  # the sqrt(v) list
+    assert peaks["adamw_single_tensor"] < peaks["adamw"]
+
+
+def test_adafactor_keeps_factored_state_far_smaller_than_adamw(run, tower_params):
+    _, row = run("optimizer=adafactor")
+    assert row["status"] == "ok" and row["optimizer_state_bytes"] < 4 * tower_params["all"] / 2
+
+
+def test_an_optimizer_whose_package_is_missing_is_skipped_with_the_reason(plan_points):
+    import importlib.util
+
+    if importlib.util.find_spec("bitsandbytes") is not None:
+        pytest.skip("bitsandbytes is installed")
+    (planned,) = plan_points(BASE + ["optimizer=adamw_8bit"])
+    assert planned.skip.startswith("bitsandbytes.optim.AdamW8bit cannot be imported here (No module named 'bitsandbytes')")
+
+
+def test_grad_accumulation_keeps_the_micro_batch_activations_and_records_the_effective_batch(run):
+    _, once = run()
+    inputs, twice = run("train.grad_accum_steps=2")
+    assert inputs["effective_batch_size"] == 4 and inputs["batch_size"] == 2
+    assert twice["activations_bytes"] == once["activations_bytes"]  # per micro batch
+    assert same(twice, once, TRAINING_STATE)
+    # the second micro step runs its forward with the first one's grads alive
+    assert twice["forward_peak_bytes"] >= once["forward_peak_bytes"] + once["grads_bytes"] * 0.9
+
+
+def test_bf16_weights_halve_the_training_state(run, tower_params):
+    inputs, row = run("train.param_dtype=bfloat16", "train.autocast_dtype=null")
+    assert row["params_bytes"] == 2 * tower_params["all"] and row["grads_bytes"] == 2 * tower_params["all"]
+    assert row["optimizer_state_dtype"] == "bfloat16" and inputs["dtype"] == "bfloat16"
+
+
+def test_fp16_autocast_runs_and_keeps_fp32_training_state(run, tower_params):
+    _, row = run("train.autocast_dtype=float16")
+    assert row["status"] == "ok" and row["params_bytes"] == 4 * tower_params["all"]
+
+
+def test_eager_attention_keeps_the_attention_weights_that_sdpa_does_not(run):
+    _, sdpa = run()
+    inputs, eager = run("model.attn_implementation=eager")
+    # at least the LM's softmax output, 2 layers x B 2 x 4 heads x 64 x 64, in bf16 or wider
+    assert eager["activations_bytes"] - sdpa["activations_bytes"] >= 2 * 2 * 4 * 64 * 64 * 2
+    assert same(eager, sdpa, TRAINING_STATE) and inputs["attn_implementation"] == "eager"
+
+
+def test_more_images_per_sample_take_more_tokens_and_activations(run):
+    one_inputs, one = run()
+    two_inputs, two = run("data.images_per_sample=2")
+    assert two_inputs["image_tokens"] == 2 * one_inputs["image_tokens"]
+    assert two["activations_bytes"] > one["activations_bytes"] and same(one, two, TRAINING_STATE)
+
+
+def test_allocator_conf_is_recorded_in_the_row(plan_points):
+    (planned,) = plan_points(BASE + ["measure.alloc_conf=expandable_segments:True"])
+    assert planned.inputs["alloc_conf"] == "expandable_segments:True"
