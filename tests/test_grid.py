@@ -30,3 +30,13 @@ def test_no_axes_is_one_default_point():
 def test_an_axis_must_be_a_non_empty_list(bad):
     with pytest.raises(ConfigError, match=r"sweep.axes.data.batch_size=.* non-empty list"):
         flatten_axes(bad)
+
+
+def test_cases_go_together_and_cross_the_axes():
+    points = expand({"data": {"batch_size": [1, 2]}}, [{}, {"train": {"grad_ckpt": {"lm": True}}, "optimizer": "sgd_momentum"}])
+    assert [p.id for p in points] == [
+        "data.batch_size=1", "data.batch_size=2",
+        "train.grad_ckpt.lm=true,optimizer=sgd_momentum,data.batch_size=1",
+        "train.grad_ckpt.lm=true,optimizer=sgd_momentum,data.batch_size=2",
+    ]
+    assert [p.case for p in points] == ["baseline", "baseline"] + ["train.grad_ckpt.lm=true,optimizer=sgd_momentum"] * 2

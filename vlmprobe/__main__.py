@@ -18,7 +18,7 @@ def run(cfg, overrides: list[str], compose) -> int:
     from omegaconf import OmegaConf
 
     from vlmprobe import backends
-    from vlmprobe.grid import flatten_axes
+    from vlmprobe.grid import flatten_axes, flatten_cases
     from vlmprobe.plan import plan
     from vlmprobe.provenance import environment, write_env
     from vlmprobe.report import write_reports
@@ -32,6 +32,10 @@ def run(cfg, overrides: list[str], compose) -> int:
     if note:
         print(note, file=sys.stderr)
     axes = list(flatten_axes(base["sweep"]["axes"] or {}))
+    cases = flatten_cases(base["sweep"].get("cases"))
+    columns = columns_for(axes + sorted({k for case in cases for k in case}))
+    if base["sweep"].get("cases"):
+        axes = ["case", *axes]  # the report pivots on the case like on an axis
     if base["resume"]:
         out_dir = Path(base["resume"])
         check_resume(out_dir, base)
@@ -47,7 +51,7 @@ def run(cfg, overrides: list[str], compose) -> int:
         write_env(env_path, env)
     statuses = []
     try:
-        statuses = run_sweep(planned, out_dir, columns_for(axes))
+        statuses = run_sweep(planned, out_dir, columns)
     finally:  # also on Ctrl-C: the CSV already holds every finished row; make the tables from them
         table = write_reports(out_dir, axes, env)
         print(f"vlmprobe: wrote {out_dir}/results.csv, results.parquet, summary.md ({len(table)} rows)", file=sys.stderr)

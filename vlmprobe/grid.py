@@ -1,9 +1,10 @@
-"""Sweep axes -> points. Pure: no torch, no Hydra composition.
+"""Sweep axes (and cases) -> points. Pure: no torch, no Hydra composition.
 
 Axes are nested like the config ({"data": {"batch_size": [1, 8]}}) so that `sweep.axes.data.batch_size=[1,2]`
 overrides one from the command line; a top-level group name (`model`) takes group options. A point is the
 list of overrides that turns the base config into it, and its id is those overrides joined, so the same
-point always has the same id (resume matches on it).
+point always has the same id (resume matches on it). Cases (`sweep.cases`) are sets of values that go
+together, for one-knob-at-a-time comparisons; each case is crossed with the axes.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from vlmprobe.errors import ConfigError
 class Point:
     index: int
     values: dict  # dotted config key -> value of this point, for the swept keys
+    case: str = ""  # the overrides of its sweep case ("baseline" for an empty case; "" without cases)
 
     @property
     def overrides(self) -> list[str]:
@@ -55,8 +57,34 @@ def flatten_axes(axes: Mapping, prefix: str = "") -> dict[str, list]:
     return flat
 
 
-def expand(axes: Mapping) -> list[Point]:
-    """The cartesian product of the axes, the first axis varying slowest (the order they are written)."""
+def flatten_cases(cases) -> list[dict]:
+    """Cases are whole sets of values that go together, nested like the config ({train: {grad_ckpt: {lm:
+    true}}}); each becomes a dotted-key dict. An empty case ({}) is the config as it is: a baseline."""
+    if cases is None:
+        return [{}]
+    if not isinstance(cases, (list, tuple)) or not cases or not all(isinstance(c, Mapping) for c in cases):
+        raise ConfigError(f"sweep.cases={cases!r} is not allowed: give a non-empty list of mappings of config keys to values")
+    return [flatten_mapping(case) for case in cases]
+
+
+def flatten_mapping(mapping: Mapping, prefix: str = "") -> dict:
+    flat = {}
+    for key, value in mapping.items():
+        if isinstance(value, Mapping) and value:
+            flat.update(flatten_mapping(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
+
+
+def expand(axes: Mapping, cases=None) -> list[Point]:
+    """Every case crossed with the cartesian product of the axes; cases vary slowest, then the axes in the
+    order they are written."""
     flat = flatten_axes(axes)
     keys = list(flat)
-    return [Point(i, dict(zip(keys, combo))) for i, combo in enumerate(itertools.product(*flat.values()))]
+    points = []
+    for case in flatten_cases(cases):
+        label = (",".join(Point(0, case).overrides) or "baseline") if cases else ""
+        for combo in itertools.product(*flat.values()):
+            points.append(Point(len(points), {**case, **dict(zip(keys, combo))}, label))
+    return points

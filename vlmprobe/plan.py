@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from omegaconf import OmegaConf
 
 from vlmprobe.errors import ConfigError
-from vlmprobe.grid import Point, expand, flatten_axes
+from vlmprobe.grid import Point, expand, flatten_axes, flatten_cases
 from vlmprobe.results import axis_column
 
 DTYPE_NAMES = ("float32", "bfloat16", "float16")
@@ -41,10 +41,10 @@ def parse_bytes(value, key: str) -> int | None:
     return int(float(match.group(1)) * _UNITS[match.group(2)])
 
 
-def check_axis_keys(base: dict, axes: dict, overrides: list[str]) -> None:
-    """Every axis names a config key or a config group, and is not also set on the command line."""
+def check_axis_keys(base: dict, keys: list[str], overrides: list[str]) -> None:
+    """Every swept key names a config key or a config group, and is not also set on the command line."""
     set_keys = {o.split("=", 1)[0].lstrip("+~") for o in overrides}
-    for key in flatten_axes(axes):
+    for key in keys:
         node = base
         for part in key.split("."):
             if not isinstance(node, dict) or part not in node:
@@ -60,10 +60,11 @@ def check_axis_keys(base: dict, axes: dict, overrides: list[str]) -> None:
 
 def compose_points(compose, overrides: list[str], base: dict) -> list[tuple[Point, dict]]:
     """(point, composed config) for each grid point; `compose(overrides) -> DictConfig` is Hydra's."""
-    axes = base["sweep"]["axes"] or {}
-    check_axis_keys(base, axes, overrides)
+    axes, cases = base["sweep"]["axes"] or {}, base["sweep"].get("cases")
+    keys = {*flatten_axes(axes), *(k for case in flatten_cases(cases) for k in case)}
+    check_axis_keys(base, sorted(keys), overrides)
     composed = []
-    for point in expand(axes):
+    for point in expand(axes, cases):
         try:
             cfg = compose(overrides + point.overrides)
         except Exception as exc:  # Hydra's composition errors: one line naming the point
@@ -144,6 +145,7 @@ def validate_point(cfg: dict, point: Point) -> tuple[dict, str | None]:
     inputs = {
         "sweep": cfg["sweep"]["name"],
         "point_id": point.id,
+        "case": point.case or None,
         "model": spec.name,
         **described,
         "dtype": train["param_dtype"],
@@ -165,7 +167,7 @@ def validate_point(cfg: dict, point: Point) -> tuple[dict, str | None]:
         "alloc_conf": measure.get("alloc_conf"),
         "steps": steps,
     }
-    for key, value in point.values.items():  # every swept key has a column
+    for key, value in point.values.items():  # every swept key has a column (case keys too)
         if axis_column(key) not in inputs:
             inputs[axis_column(key)] = value if not isinstance(value, (dict, list)) else json.dumps(value)
     return inputs, skip

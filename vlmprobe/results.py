@@ -13,7 +13,7 @@ from pathlib import Path
 import pandas as pd
 
 INPUT_COLUMNS = [
-    "sweep", "point_id", "model", "params", "trainable_params", "dtype", "autocast_dtype", "optimizer",
+    "sweep", "point_id", "case", "model", "params", "trainable_params", "dtype", "autocast_dtype", "optimizer",
     "batch_size", "grad_accum_steps", "effective_batch_size", "lm_max_length", "image_size", "images_per_sample",
     "max_pixels", "image_tokens", "grad_ckpt_lm", "grad_ckpt_vision", "freeze_vision", "freeze_lm", "lora_r",
     "attn_implementation", "alloc_conf", "steps",
