@@ -58,22 +58,24 @@ def check_axis_keys(base: dict, keys: list[str], overrides: list[str]) -> None:
                               f"e.g. sweep.axes.{key}=[value]")
 
 
-def compose_points(compose, overrides: list[str], base: dict) -> list[tuple[Point, dict]]:
-    """(point, composed config) for each grid point; `compose(overrides) -> DictConfig` is Hydra's."""
+def grid_points(overrides: list[str], base: dict) -> list[Point]:
+    """The points of the base config's sweep, its swept keys checked."""
     axes, cases = base["sweep"]["axes"] or {}, base["sweep"].get("cases")
     keys = {*flatten_axes(axes), *(k for case in flatten_cases(cases) for k in case)}
     check_axis_keys(base, sorted(keys), overrides)
-    composed = []
-    for point in expand(axes, cases):
-        try:
-            cfg = compose(overrides + point.overrides)
-        except Exception as exc:  # Hydra's composition errors: one line naming the point
-            message = str(exc).strip().splitlines()[0]
-            raise ConfigError(f"point {point.id}: {message}") from None
-        cfg = OmegaConf.to_container(cfg, resolve=True)
-        cfg.pop("hydra", None)
-        composed.append((point, cfg))
-    return composed
+    return expand(axes, cases)
+
+
+def compose_point(compose, overrides: list[str], point: Point) -> dict:
+    """The composed config of one point, resolved, as plain data; `compose(overrides) -> DictConfig` is Hydra's."""
+    try:
+        cfg = compose(overrides + point.overrides)
+    except Exception as exc:  # Hydra's composition errors: one line naming the point
+        message = str(exc).strip().splitlines()[0]
+        raise ConfigError(f"point {point.id}: {message}") from None
+    cfg = OmegaConf.to_container(cfg, resolve=True)
+    cfg.pop("hydra", None)
+    return cfg
 
 
 @functools.lru_cache(maxsize=None)
@@ -173,5 +175,11 @@ def validate_point(cfg: dict, point: Point) -> tuple[dict, str | None]:
     return inputs, skip
 
 
+def plan_point(compose, overrides: list[str], point: Point) -> PlannedPoint:
+    cfg = compose_point(compose, overrides, point)
+    return PlannedPoint(point, cfg, *validate_point(cfg, point))
+
+
 def plan(compose, overrides: list[str], base: dict) -> list[PlannedPoint]:
-    return [PlannedPoint(point, cfg, *validate_point(cfg, point)) for point, cfg in compose_points(compose, overrides, base)]
+    """Every point of the sweep, composed and validated, before anything runs."""
+    return [plan_point(compose, overrides, point) for point in grid_points(overrides, base)]

@@ -75,13 +75,6 @@ def drop_cut_line(path: Path) -> None:
         path.write_bytes(data[: data.rfind(b"\n") + 1])
 
 
-def finished_ids(path: Path) -> set[str]:
-    """Point ids that already have a row."""
-    if not path.exists():
-        return set()
-    return set(read_table(path)["point_id"].astype(str))
-
-
 def read_table(path: Path) -> pd.DataFrame:
     """The CSV as typed columns: byte figures and counts as nullable integers. A last line cut short by a
     kill mid-write is dropped."""

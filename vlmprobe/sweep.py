@@ -19,7 +19,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from vlmprobe import backends
-from vlmprobe.results import RowWriter, finished_ids, mib
+from vlmprobe.results import RowWriter, mib, read_table
 from vlmprobe.worker import RAISED, ROW_PREFIX, measure
 
 TAIL = 2000  # characters of stderr kept in a failed row
@@ -79,25 +79,39 @@ def describe_backend(name: str, config: dict) -> dict:
     return result if "status" not in result else {"backend": name, "describe_error": result.get("error")}
 
 
-def run_sweep(planned, out_dir: Path, columns: list[str]) -> list[str]:
-    """Run every planned point not yet in out_dir/results.csv; return the statuses of the points run."""
-    csv_path = out_dir / "results.csv"
-    writer = RowWriter(csv_path, columns)
-    done = finished_ids(csv_path)
-    todo = [p for p in planned if p.point.id not in done]
-    if done:
-        tqdm.write(f"resume: {len(planned) - len(todo)} of {len(planned)} points already have rows in {csv_path}", file=sys.stderr)
-    statuses = []
-    bar = tqdm(todo, desc="points", unit="point", dynamic_ncols=True)
-    for item in bar:
-        bar.set_postfix_str(item.point.id)
+class Runner:
+    """Runs planned points into out_dir/results.csv, one row each, written before the next point starts. A
+    point whose id already has a row there (resume) is not run again: its row is returned."""
+
+    def __init__(self, out_dir: Path, columns: list[str]):
+        csv_path = out_dir / "results.csv"
+        self.writer = RowWriter(csv_path, columns)
+        table = read_table(csv_path)
+        self.done = {row["point_id"]: row for row in table.astype(object).where(table.notna(), None).to_dict("records")}
+        self.statuses: list[str] = []  # of the points run here, not of the resumed ones
+
+    def run(self, item) -> dict:
+        if item.point.id in self.done:
+            return self.done[item.point.id]
         outputs = {"status": "skipped", "error": item.skip} if item.skip else run_point(item.config)
         outputs.setdefault("backend", item.config["measure"]["backend"])
         row = {**item.inputs, **outputs}
-        writer.append(row)
-        statuses.append(row["status"])
+        self.writer.append(row)
+        self.done[item.point.id] = row
+        self.statuses.append(row["status"])
         peak = mib(row.get("peak_allocated_bytes"))
         tqdm.write(f"  {item.point.id}: {row['status']}" + (f", peak {peak} MiB ({row['backend']})" if peak else "")
                    + (f" - {str(row.get('error') or '').splitlines()[0][:160]}" if row["status"] != "ok" else ""),
                    file=sys.stderr)
-    return statuses
+        return row
+
+
+def run_sweep(planned, runner: Runner) -> None:
+    """Run every planned point that has no row yet, with a progress bar."""
+    todo = [p for p in planned if p.point.id not in runner.done]
+    if len(todo) < len(planned):
+        tqdm.write(f"resume: {len(planned) - len(todo)} of {len(planned)} points already have rows", file=sys.stderr)
+    bar = tqdm(todo, desc="points", unit="point", dynamic_ncols=True)
+    for item in bar:
+        bar.set_postfix_str(item.point.id)
+        runner.run(item)

@@ -1,0 +1,58 @@
+"""+find=max_batch: bisection against a hand-made threshold, and the mode end to end."""
+
+import math
+
+import pandas as pd
+import pytest
+
+from conftest import run_cli
+from vlmprobe.find import fits, largest_fitting
+
+
+def threshold_probe(limit, calls):
+    def probe(batch_size):
+        calls.append(batch_size)
+        ok = batch_size <= limit
+        return {"status": "ok" if ok else "oom", "peak_allocated_bytes": batch_size * 10 if ok else None,
+                "peak_reserved_bytes": None}
+    return probe
+
+
+@pytest.mark.parametrize("limit", [1, 2, 300, 511, 512, 513, 1023, 1024])
+def test_bisection_finds_the_largest_fitting_batch_in_at_most_11_probes(limit):
+    calls = []
+    assert largest_fitting(threshold_probe(limit, calls), 1, 1024, budget=10**9) == limit
+    assert len(calls) <= math.ceil(math.log2(1024)) + 1 == 11
+    assert len(set(calls)) == len(calls)  # no batch size probed twice
+
+
+def test_nothing_fits_when_the_smallest_batch_does_not():
+    calls = []
+    assert largest_fitting(threshold_probe(0, calls), 1, 1024, budget=10**9) is None and calls == [1]
+
+
+def test_a_probe_fits_by_its_reserved_peak_where_measured_else_its_allocated_peak():
+    assert fits({"status": "ok", "peak_allocated_bytes": 90, "peak_reserved_bytes": None}, 100)
+    assert not fits({"status": "ok", "peak_allocated_bytes": 90, "peak_reserved_bytes": 120}, 100)
+    assert not fits({"status": "oom", "peak_allocated_bytes": 10, "peak_reserved_bytes": None}, 100)
+
+
+def test_max_batch_mode_reports_a_batch_that_fits_and_one_more_that_does_not(tmp_path):
+    proc = run_cli(["+find=max_batch", "memory_budget=6MiB", "+sweep=smoke", "~sweep.axes.data.batch_size",
+                    "sweep.axes.data.lm_max_length=[64]", f"results_dir={tmp_path}"], cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    (out,) = tmp_path.glob("*/*/")
+    found = pd.read_csv(out / "max_batch.csv")
+    rows = pd.read_csv(out / "results.csv").set_index("batch_size")
+    best = int(found["largest_batch_size"].iloc[0])
+    assert rows.loc[best, "status"] == "ok" and rows.loc[best, "peak_allocated_bytes"] <= 6 * 2**20
+    assert rows.loc[best + 1, "status"] == "oom"  # bisection always probes the neighbour above the answer
+    assert found["probes"].iloc[0] == len(rows) <= 11
+    assert "Largest batch size that fits 6.0 MiB" in (out / "summary.md").read_text()
+
+
+def test_max_batch_without_a_budget_is_one_clear_line(tmp_path):
+    proc = run_cli(["+find=max_batch", f"results_dir={tmp_path}"], cwd=tmp_path)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [
+        "vlmprobe: memory_budget=null is not allowed with +find=max_batch: give bytes or a size like 24GiB"]
