@@ -137,6 +137,9 @@ def validate_point(cfg: dict, point: Point) -> tuple[dict, str | None]:
     if not isinstance(steps, int) or isinstance(steps, bool) or steps <= 0:
         raise ConfigError(f"measure.steps={steps!r} is not allowed: it must be a positive integer")
     measure["device_memory"] = parse_bytes(measure["device_memory"], "measure.device_memory")
+    for key in ("snapshot", "hold_outputs"):
+        if not isinstance(measure[key], bool):
+            raise ConfigError(f"measure.{key}={measure[key]!r} is not allowed: use true or false")
     data = DataShape.from_config(cfg["data"])
     try:
         spec = build_spec(cfg["model"])

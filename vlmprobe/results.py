@@ -26,7 +26,7 @@ OUTPUT_COLUMNS = [
     "num_alloc_retries", "num_ooms", "nvml_used_bytes", "nvml_process_bytes",
     "after_load_bytes", "forward_peak_bytes", "backward_peak_bytes", "optimizer_peak_bytes", "peak_phase",
     "params_bytes", "grads_bytes", "optimizer_state_bytes", "optimizer_state_dtype", "activations_bytes",
-    "oom_request_bytes", "step_time_s", "error",
+    "oom_request_bytes", "step_time_s", "snapshot_file", "error",
 ]
 MiB, GiB = 2**20, 2**30
 

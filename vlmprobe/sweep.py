@@ -8,6 +8,7 @@ outlives measure.timeout_s is `timeout`. Every row is on disk before the next po
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import signal
@@ -84,6 +85,7 @@ class Runner:
     point whose id already has a row there (resume) is not run again: its row is returned."""
 
     def __init__(self, out_dir: Path, columns: list[str]):
+        self.out_dir = out_dir
         csv_path = out_dir / "results.csv"
         self.writer = RowWriter(csv_path, columns)
         table = read_table(csv_path)
@@ -93,7 +95,7 @@ class Runner:
     def run(self, item) -> dict:
         if item.point.id in self.done:
             return self.done[item.point.id]
-        outputs = {"status": "skipped", "error": item.skip} if item.skip else run_point(item.config)
+        outputs = {"status": "skipped", "error": item.skip} if item.skip else run_point(self.with_snapshot_file(item))
         outputs.setdefault("backend", item.config["measure"]["backend"])
         row = {**item.inputs, **outputs}
         self.writer.append(row)
@@ -104,6 +106,13 @@ class Runner:
                    + (f" - {str(row.get('error') or '').splitlines()[0][:160]}" if row["status"] != "ok" else ""),
                    file=sys.stderr)
         return row
+
+
+    def with_snapshot_file(self, item) -> dict:
+        """The point's config with the file its allocator snapshot goes to, should it write one."""
+        name = hashlib.sha1(item.point.id.encode()).hexdigest()[:12]
+        measure = {**item.config["measure"], "snapshot_file": str(self.out_dir / "snapshots" / f"{name}.pickle")}
+        return {**item.config, "measure": measure}
 
 
 def run_sweep(planned, runner: Runner) -> None:

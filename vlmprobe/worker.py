@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import sys
+from pathlib import Path
 import traceback
 
 import torch
@@ -62,6 +63,10 @@ def measure(point: dict) -> dict:
             report.peaks["allocated"] = max(report.peaks.get("allocated", 0), meter.peaks()["allocated"])
         out.update(_report_columns(report))
         out.update(backend.final_stats(meter))
+        path = point["measure"].get("snapshot_file")
+        if path and (point["measure"]["snapshot"] or out["status"] == "oom"):
+            Path(path).parent.mkdir(parents=True, exist_ok=True)
+            out["snapshot_file"] = path if backend.write_snapshot(path) else None
     return out
 
 

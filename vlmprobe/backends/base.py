@@ -26,6 +26,10 @@ class Backend(abc.ABC):
 
         return autocast_factory(self.device_type, dtype)
 
+    def write_snapshot(self, path) -> bool:
+        """Write an allocator snapshot (history of every allocation) to `path`; False where there is none."""
+        return False
+
     def final_stats(self, meter) -> dict:
         """Columns only this backend knows (reserved, NVML, allocator counters); read after the steps."""
         return {}

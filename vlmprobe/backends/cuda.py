@@ -13,6 +13,8 @@ import torch
 
 from vlmprobe.backends.base import Backend
 
+SNAPSHOT_ENTRIES = 200_000  # allocation events kept for a snapshot (the oldest are dropped past this)
+
 
 def available() -> bool:
     """Whether a CUDA GPU is visible. Asks the driver for a device count; creates no CUDA context."""
@@ -78,8 +80,15 @@ class CudaBackend(Backend):
     @contextlib.contextmanager
     def session(self, capacity):
         torch.cuda.init()
+        # Allocation history is recorded for every point so that one that runs out of memory can leave a
+        # snapshot; it is kept in host memory and changes no device figure.
+        torch.cuda.memory._record_memory_history(max_entries=SNAPSHOT_ENTRIES)
         torch.cuda.reset_peak_memory_stats()
         yield CudaMeter()
+
+    def write_snapshot(self, path) -> bool:
+        torch.cuda.memory._dump_snapshot(str(path))
+        return True
 
     def final_stats(self, meter) -> dict:
         stats = torch.cuda.memory_stats()
