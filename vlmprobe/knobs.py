@@ -39,7 +39,11 @@ def checkpoint_layers(module: nn.Module) -> None:
     from transformers import PreTrainedModel
 
     if isinstance(module, PreTrainedModel):
-        module.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        # transformers 5.23 renamed it (the old name warns); the GPU image's 5.17 may have only the old one
+        if hasattr(module, "activation_checkpointing_enable"):
+            module.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        else:
+            module.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     elif isinstance(getattr(module, "blocks", None), nn.ModuleList):
         for block in module.blocks:
             block.forward = functools.partial(checkpoint, block.forward, use_reentrant=False)

@@ -61,10 +61,10 @@ class ModelSpec(abc.ABC):
                 f"{tokens} tokens, so it must be at least {tokens + 1}"
             )
 
+    @abc.abstractmethod
     def towers(self, model: nn.Module) -> dict[str, list[nn.Module]]:
         """{"vision": [...], "lm": [...]}: the modules the freeze / checkpointing / LoRA knobs act on (the LM
         with its head; a projector between the two belongs to neither and stays trainable)."""
-        raise ConfigError(f"model {self.name} does not say which modules are its towers")
 
     @abc.abstractmethod
     def _construct(self) -> nn.Module:

@@ -13,34 +13,39 @@ attention_mask is None: every sample fills lm_max_length, and a mask would make 
 (B, 1, L, L) tensor for fake tensors that a CUDA run without padding never allocates. The loss is the
 model's own (`labels=` -> outputs.loss: logits upcast to fp32, shifted cross-entropy, mean over labels).
 
-Vision attention: with attn_implementation "sdpa" (the default here) transformers splits the packed patch
-sequence at `cu_seqlens` and runs one SDPA call per image (no block mask is built), then concatenates the
-outputs. "flash_attention_2" (needs the flash-attn package on CUDA) runs one varlen kernel over the packed
-sequence instead; both keep O(patches) state per layer, the sdpa path adds per-image output copies and
-a concatenation (transient, about one (patches x 1280) tensor per layer).
+Vision attention: with attn_implementation "sdpa" (the default here, and what CUDA runs without the
+flash-attn package) transformers splits the packed patch sequence at `cu_seqlens` into one SDPA call per
+image (no block mask is built; O(patches) state, flash / memory-efficient kernels on CUDA) and
+concatenates the outputs, a copy that the output projection saves next to SDPA's own saved output.
+"flash_attention_2" runs one varlen kernel over the packed sequence (no split, no concatenation) but is
+given contiguous copies of q/k/v; it is not modelled here (no flash-attn kernel on the CPU).
 
 Fake tensors (the estimate backend runs batch() and loss() inside FakeTensorMode): the forward reads
 values of small integer tensors (image_grid_thw.tolist(), cu_seqlens split sizes, the image-token count
 check in get_placeholder_mask). FakeTensorMode can answer those only for *constant* fake tensors (fakes
 that keep their real values), and it propagates constants only through ops whose outputs have at most
-CONSTANT_NUMEL_LIMIT (= 1) elements. `constant_propagation(n)` raises that limit to n while batch() makes
-the integer inputs with torch.tensor(python data) -- under the mode this gives constant fakes, on real
-backends ordinary tensors -- and while loss() runs the forward, so every integer tensor derived from them
-stays constant and the model runs unchanged. Only integer tensors are ever constant (the limit is the
-batch's token count; float activations are derived from non-constant fakes), so no large real tensor is
-created, and every constant is still charged by the tracker at its size, as CUDA would allocate it.
+CONSTANT_NUMEL_LIMIT (= 1) elements. batch() raises that limit to the batch's token count for as long as
+the batch lives (`hold_constant_limit`) and makes the integer inputs with torch.tensor(python data) --
+under the mode this gives constant fakes, on real backends ordinary tensors -- so every integer tensor
+derived from them in the forward (and in checkpointed recomputation) stays constant and the model runs
+unchanged. Constants are only these integer inputs, what is derived from them (masks, counts, cu_seqlens)
+and Python scalars; every activation derives from non-constant fakes, so no large real tensor is made.
+A constant is still charged by the tracker at its size, as CUDA would allocate it.
 The M-RoPE position_ids are computed by the collator (`mrope_position_ids`): the model's get_rope_index
 builds them from fresh aranges, which fake mode cannot make constant.
 
 Private torch API used: `torch._subclasses.fake_tensor.CONSTANT_NUMEL_LIMIT` (module global read by
-FakeTensorMode.may_turn_const at each op; present with the same meaning in torch 2.11-2.13), changed
-only inside `constant_propagation` and restored on exit. Nothing else private, no transformers patching.
+FakeTensorMode.may_turn_const at each op; present with the same meaning in torch 2.11-2.13), raised only
+while a batch made here is alive and restored when the last one dies. Nothing else private, no
+transformers patching.
 """
 
 from __future__ import annotations
 
-import contextlib
+import itertools
 import math
+import weakref
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -70,18 +75,29 @@ def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixe
     return h_bar, w_bar
 
 
-@contextlib.contextmanager
-def constant_propagation(numel: int):
+_limit_requests: dict[int, int] = {}  # live requests for a raised CONSTANT_NUMEL_LIMIT: key -> numel
+_limit_keys = itertools.count()
+_limit_default = 1
+
+
+def hold_constant_limit(numel: int) -> Callable[[], None]:
     """Inside FakeTensorMode, keep real values for tensors of up to `numel` elements derived from constant
-    fakes (see the module docstring); no effect on real tensors."""
+    fakes (see the module docstring) until the returned release() is called; no effect on real tensors.
+    Requests may overlap: the limit is the largest live one, and torch's own value once none is left."""
     from torch._subclasses import fake_tensor
 
-    previous = fake_tensor.CONSTANT_NUMEL_LIMIT
-    fake_tensor.CONSTANT_NUMEL_LIMIT = max(previous, numel)
-    try:
-        yield
-    finally:
-        fake_tensor.CONSTANT_NUMEL_LIMIT = previous
+    global _limit_default
+    if not _limit_requests:
+        _limit_default = fake_tensor.CONSTANT_NUMEL_LIMIT
+    key = next(_limit_keys)
+    _limit_requests[key] = numel
+    fake_tensor.CONSTANT_NUMEL_LIMIT = max([_limit_default, *_limit_requests.values()])
+
+    def release() -> None:
+        if _limit_requests.pop(key, None) is not None:
+            fake_tensor.CONSTANT_NUMEL_LIMIT = max([_limit_default, *_limit_requests.values()])
+
+    return release
 
 
 def mrope_position_ids(layout: list[tuple[str, int | tuple[int, int]]]) -> list[list[int]]:
@@ -175,6 +191,11 @@ class Qwen2VLSpec(ModelSpec):
         model.tie_weights()  # post_init does not tie under no_init_weights; 2B shares lm_head with embed_tokens
         return model
 
+    def towers(self, model: nn.Module) -> dict[str, list[nn.Module]]:
+        # The patch merger (the projector) lives inside `visual`, the vision PreTrainedModel that checkpointing
+        # is enabled on, so it goes with the vision tower here (frozen with it).
+        return {"vision": [model.model.visual], "lm": [model.model.language_model, model.lm_head]}
+
     # -- inputs ---------------------------------------------------------------------------------------
     def _sample(self, data: DataShape) -> tuple[list[int], list[int], list[int], list[list[int]]]:
         """input_ids, labels, mm_token_type_ids and M-RoPE positions (3 rows) of one sample."""
@@ -206,22 +227,26 @@ class Qwen2VLSpec(ModelSpec):
                         * self.vision["patch_size"] ** 2)
 
         def ints(values) -> torch.Tensor:
-            # torch.tensor of Python data: a constant fake under FakeTensorMode (see constant_propagation).
+            # torch.tensor of Python data: a constant fake under FakeTensorMode (see hold_constant_limit).
             # Its storage never passes the tracker (made without a dispatched allocation; the tracker skips
             # fake mode's lift_fresh), but a collator's batch lives on the GPU: the clone allocates it through
             # a dispatched op on every backend (and stays constant: clone of a constant is constant).
             return torch.tensor(values, dtype=torch.long, device=device).clone()
 
-        with constant_propagation(b * data.lm_max_length):
-            return {
-                "input_ids": ints([input_ids] * b),
-                "labels": ints([labels] * b),
-                "mm_token_type_ids": ints([types] * b),
-                "position_ids": ints([[row] * b for row in positions]),  # (3, B, L)
-                "image_grid_thw": ints([[1, rows, cols]] * n_images),
-                "pixel_values": torch.randn(n_images * rows * cols, patch_values, device=device),
-            }
+        # The limit stays raised while the batch lives: the forward reads the constants, and so does the
+        # backward when activation checkpointing recomputes vision blocks (cu_seqlens split sizes).
+        release = hold_constant_limit(b * data.lm_max_length)
+        batch = {
+            "input_ids": ints([input_ids] * b),
+            "labels": ints([labels] * b),
+            "mm_token_type_ids": ints([types] * b),
+            "position_ids": ints([[row] * b for row in positions]),  # (3, B, L)
+            "image_grid_thw": ints([[1, rows, cols]] * n_images),
+            "pixel_values": torch.randn(n_images * rows * cols, patch_values, dtype=torch.float32, device=device),
+        }
+        weakref.finalize(batch["input_ids"], release)
+        return batch
 
-    def loss(self, model: nn.Module, batch: dict) -> torch.Tensor:
-        with constant_propagation(batch["input_ids"].numel()):
-            return model(**batch, attention_mask=None, use_cache=False).loss
+    def loss(self, model: nn.Module, batch: dict):
+        outputs = model(**batch, attention_mask=None, use_cache=False)  # CausalLMOutputWithPast (loss, logits)
+        return outputs.loss, outputs
