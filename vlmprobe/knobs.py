@@ -18,15 +18,23 @@ def apply_knobs(spec, model: nn.Module, train: dict) -> None:
         return  # full fine-tune as built
     towers = spec.towers(model)
     for tower in ("lm", "vision"):
-        if train["grad_ckpt"][tower]:
-            for module in towers[tower]:
-                checkpoint_layers(module)
+        if train["grad_ckpt"][tower] and not [checkpoint_layers(m) for m in towers[tower] if has_layers(m)]:
+            raise ConfigError(f"train.grad_ckpt.{tower}=true is not allowed for {spec.name}: its {tower} tower has "
+                              f"no layers to checkpoint")
     for tower in ("vision", "lm"):
         if train[f"freeze_{tower}"]:
             for module in towers[tower]:
                 module.requires_grad_(False)
     if train["lora_r"]:
         add_lora(towers["lm"], train)
+
+
+def has_layers(module: nn.Module) -> bool:
+    """Whether checkpoint_layers can act on it: a transformers model, or our own module with `.blocks`
+    (a tower's other parts, such as an LM head, have no layers)."""
+    from transformers import PreTrainedModel
+
+    return isinstance(module, PreTrainedModel) or isinstance(getattr(module, "blocks", None), nn.ModuleList)
 
 
 def checkpoint_layers(module: nn.Module) -> None:
@@ -44,11 +52,9 @@ def checkpoint_layers(module: nn.Module) -> None:
             module.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
         else:
             module.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    elif isinstance(getattr(module, "blocks", None), nn.ModuleList):
+    else:
         for block in module.blocks:
             block.forward = functools.partial(checkpoint, block.forward, use_reentrant=False)
-    else:
-        raise ConfigError(f"train.grad_ckpt is not allowed for {type(module).__name__}: it has no layers to checkpoint")
 
 
 def add_lora(modules: list[nn.Module], train: dict) -> None:
