@@ -170,6 +170,7 @@ def validate_point(cfg: dict, point: Point) -> tuple[dict, str | None]:
         "lora_r": train["lora_r"],
         "attn_implementation": cfg["model"].get("attn_implementation"),
         "alloc_conf": measure.get("alloc_conf"),
+        "hold_outputs": measure["hold_outputs"],
         "steps": steps,
     }
     for key, value in point.values.items():  # every swept key has a column (case keys too)

@@ -1,4 +1,8 @@
-"""The tables a person reads at the end of a sweep: results.parquet, summary.md and plot.png."""
+"""The tables a person reads at the end of a sweep: results.parquet, summary.md and plot.png.
+
+A sweep the published nanoVLM issue #103 table speaks to (vlmprobe.reference.matches) also gets our figures
+beside the published ones, the finding as numbers, and the RTX 3090's capacity on the plot.
+"""
 
 from __future__ import annotations
 
@@ -6,25 +10,32 @@ from pathlib import Path
 
 import pandas as pd
 
-from vlmprobe.results import GiB, MiB, axis_column, mib, pivot, read_table
+from vlmprobe import check, reference
+from vlmprobe.results import GiB, axis_column, mib, pivot, read_table
 
 BACKEND_WORDS = {
     "cuda": "measured on a CUDA GPU (torch.cuda.max_memory_allocated)",
     "estimate": "ESTIMATES for a CUDA GPU from the real step on fake tensors (no GPU was used)",
     "cpu": "CPU proxy figures (live tensor bytes on the CPU), not GPU measurements",
 }
+BACKEND_TITLES = {"cuda": "measured on CUDA", "estimate": "ESTIMATE (no GPU)", "cpu": "CPU proxy (not GPU)"}
 
 
 def write_reports(out_dir: Path, axes: list[str], env: dict) -> pd.DataFrame:
     table = read_table(out_dir / "results.csv")
     table.to_parquet(out_dir / "results.parquet", index=False)
-    (out_dir / "summary.md").write_text(summary_markdown(table, axes, env))
+    published = reference.matches(table, [axis_column(a) for a in axes])
+    beside = reference_markdown(out_dir, table) if published else ""
+    (out_dir / "summary.md").write_text(summary_markdown(table, axes, env, beside))
     if len(table):
-        plot(table, axes, out_dir / "plot.png")
+        overlay = dict(capacity_bytes=reference.DEVICE_BYTES, capacity_label=f"{reference.DEVICE} capacity",
+                       reference=reference.load(), reference_label=f"published ({reference.DEVICE})")
+        plot(table, axes, out_dir / "plot.png", **(overlay if published else {}))
     return table
 
 
-def summary_markdown(table: pd.DataFrame, axes: list[str], env: dict) -> str:
+def summary_markdown(table: pd.DataFrame, axes: list[str], env: dict, beside: str = "") -> str:
+    """`beside`: markdown sections put right after the peak table (the published figures, when they apply)."""
     backends = sorted(table["backend"].dropna().unique()) if len(table) else []
     sweep = table["sweep"].iloc[0] if len(table) else "?"
     lines = [f"# vlmprobe: {sweep}", ""]
@@ -38,7 +49,7 @@ def summary_markdown(table: pd.DataFrame, axes: list[str], env: dict) -> str:
         "",
     ]
     if len(table):
-        lines += [pivot(table, axes).to_markdown(), "", "## Every point", ""]
+        lines += [pivot(table, axes).to_markdown(), "", *([beside] if beside else []), "## Every point", ""]
         cols = ["point_id", "backend", "status", "peak_allocated_bytes", "last_step_peak_allocated_bytes",
                 "peak_reserved_bytes", "nvml_process_bytes", "peak_phase", "step_time_s"]
         shown = table[cols].copy()
@@ -57,9 +68,62 @@ def summary_markdown(table: pd.DataFrame, axes: list[str], env: dict) -> str:
     return "\n".join(lines)
 
 
+def reference_markdown(out_dir: Path, table: pd.DataFrame) -> str:
+    """Our figures beside nanoVLM issue #103's, and the finding as numbers for both."""
+    side = reference.side_by_side(table)
+    backends = ", ".join(sorted(table["backend"].dropna().unique()))
+    ours, published = check.finding(side, "ours"), check.finding(side, "published")
+    short, long, cap = check.SHORT, check.LONG, reference.DEVICE_BYTES
+
+    def number(value, fmt="{:,.1f}"):
+        return "-" if value is None else fmt.format(value)
+
+    def fits(f: check.Finding, length: int) -> str:
+        text = ", ".join(map(str, f.fits[length])) or "none"
+        return text + (f" ({', '.join(map(str, f.no_figure[length]))}: no figure)" if f.no_figure[length] else "")
+
+    rows = [
+        (f"batch-1 peak at {short} / {long} (MiB)", *(f"{number(f.batch1[short])} / {number(f.batch1[long])}"
+                                                    for f in (ours, published))),
+        *((f"MiB per sample, batch {check.SLOPE_FROM} -> {check.SLOPE_TO}, length {n}",
+           number(ours.slope[n]), number(published.slope[n])) for n in (long, short)),
+        (f"slope ratio {long} / {short}", number(ours.slope_ratio, "{:.2f}"), number(published.slope_ratio, "{:.2f}")),
+        *((f"batch sizes that fit the {reference.DEVICE}, length {n}", fits(ours, n), fits(published, n))
+          for n in (long, short)),
+    ]
+    finding = pd.DataFrame(rows, columns=["", f"ours ({backends})", f"published ({reference.DEVICE})"])
+    return "\n".join([
+        f"## Against the published figures (nanoVLM issue #103, {reference.DEVICE}, measured)",
+        "",
+        f"Ours (backend {backends}): {'; '.join(BACKEND_WORDS.get(b, b) for b in backends.split(', '))}. "
+        "Published: torch.cuda.max_memory_allocated() / 1024**2 (\"MB\" = MiB) from nanoVLM's measure_vram.py. "
+        "Ratio = ours / published.",
+        "",
+        check.table_text(side, backends),
+        "",
+        "## The finding, as numbers",
+        "",
+        finding.to_markdown(index=False, disable_numparse=True),
+        "",
+        f"Fit = peak allocated at most {cap:,} B = {cap / GiB:.2f} GiB, the {reference.DEVICE}'s total memory as "
+        "CUDA reports it (the card's nominal 24 GB is 24 GiB = 24,576 MiB; 24e9 B would be lower still). The "
+        "CUDA context and allocator fragmentation take a few hundred MiB outside this figure, so a point just "
+        "under the line may still run out of memory on the card.",
+        "",
+        f"Test the finding: `python -m vlmprobe.check {out_dir}`",
+        "",
+    ])
+
+
 def plot(table: pd.DataFrame, axes: list[str], path: Path, capacity_bytes: int | None = None,
-         reference: pd.DataFrame | None = None) -> None:
-    """Peak GiB against batch size (or the first axis), one line per combination of the other axes."""
+         reference: pd.DataFrame | None = None, capacity_label: str = "capacity",
+         reference_label: str = "reference") -> None:
+    """Peak GiB against batch size (or the first axis), one solid line per combination of the other axes.
+
+    `reference` (rows with the same axis columns, `status` and `peak_bytes`) is drawn dashed in the colour of
+    our line for the same combination. Points without a figure (OOM) are crosses in a band above the data,
+    since they have no height of their own.
+    """
     import matplotlib
 
     matplotlib.use("Agg")
@@ -67,28 +131,45 @@ def plot(table: pd.DataFrame, axes: list[str], path: Path, capacity_bytes: int |
 
     x = "batch_size" if "data.batch_size" in axes or not axes else axis_column(axes[0])
     others = [axis_column(a) for a in axes if axis_column(a) != x]
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    groups = table.groupby(others, sort=False) if others else [((), table)]
-    for key, group in groups:
-        key = key if isinstance(key, tuple) else (key,)
-        label = ", ".join(f"{k}={v}" for k, v in zip(others, key)) or "peak"
-        ok = group[group["status"] == "ok"]
-        line, = ax.plot(ok[x], ok["peak_allocated_bytes"].astype(float) / GiB, marker="o", label=label)
-        oom = group[group["status"] == "oom"]
-        if len(oom):
-            ax.scatter(oom[x], [ax.get_ylim()[1]] * len(oom), marker="x", color=line.get_color(), s=60,
-                       label=f"{label}: OOM")
+    fig, ax = plt.subplots(figsize=(8, 5))
+    ours = "ours " if reference is not None else ""  # only needed to tell the two sides apart
+    sides = [(table, "peak_allocated_bytes", "-", "o", "X", ours)]
     if reference is not None:
-        for label, ref in reference.groupby("label", sort=False):
-            ax.plot(ref[x], ref["peak_bytes"] / GiB, linestyle="--", marker=".", alpha=0.7, label=label)
+        sides.append((reference, "peak_bytes", "--", "s", "x", f"{reference_label} "))
+    colours, ooms, heights = {}, [], [capacity_bytes / GiB] if capacity_bytes else []
+    for frame, value, style, marker, oom_marker, prefix in sides:
+        groups = frame.groupby(others, sort=False) if others else [((), frame)]
+        for key, group in groups:
+            key = key if isinstance(key, tuple) else (key,)
+            name = ", ".join(f"{k}={v}" for k, v in zip(others, key)) or "peak"
+            if key not in colours:  # the reference takes the colour of our line of the same combination
+                colours[key] = f"C{len(colours)}"
+            ok = group[group["status"] == "ok"].sort_values(x)
+            gib = ok[value].astype(float) / GiB
+            ax.plot(ok[x], gib, linestyle=style, marker=marker, color=colours[key], label=f"{prefix}{name}")
+            heights += list(gib)
+            oom = group[group["status"] == "oom"]
+            if len(oom):
+                ooms.append((oom[x], oom_marker, colours[key], f"{prefix}{name}: OOM"))
+    top = max(heights, default=1.0) * 1.08
+    step = top * 0.05  # one row per OOM series above the data, so crosses at the same x do not hide each other
+    for row, (xs, oom_marker, colour, label) in enumerate(ooms):
+        ax.scatter(xs, [top + row * step] * len(xs), marker=oom_marker, color=colour, s=80, zorder=3, label=label)
+    for x_value in sorted({v for xs, *_ in ooms for v in xs}):
+        ax.annotate("OOM", (x_value, top), textcoords="offset points", xytext=(0, -14), ha="center", fontsize=8)
+    top += max(len(ooms) - 1, 0) * step
     if capacity_bytes:
-        ax.axhline(capacity_bytes / GiB, color="red", linestyle=":", label=f"{capacity_bytes / GiB:.0f} GiB capacity")
-    backends = ", ".join(sorted(table["backend"].dropna().unique()))
-    ax.set_xlabel(x)
-    ax.set_ylabel("peak allocated (GiB, 1024^3 B)")
-    ax.set_title(f"{table['sweep'].iloc[0]}: {table['model'].iloc[0]} [{backends}]")
+        ax.axhline(capacity_bytes / GiB, color="red", linestyle=":",
+                   label=f"{capacity_label}: {capacity_bytes / GiB:.2f} GiB ({capacity_bytes:,} B)")
+    ax.set_ylim(0, top * 1.04)
+    if pd.api.types.is_numeric_dtype(table[x]):  # ticks at the swept values, not matplotlib's round numbers
+        ax.set_xticks(sorted(set(pd.concat([frame[x] for frame, *_ in sides]).dropna())))
+    ax.set_xlabel("batch size (samples per step)" if x == "batch_size" else x)
+    ax.set_ylabel("peak allocated memory (GiB = 1024^3 B)")
+    backends = ", ".join(BACKEND_TITLES.get(b, b) for b in sorted(table["backend"].dropna().unique()))
+    ax.set_title(f"{table['sweep'].iloc[0]}: {table['model'].iloc[0]}, {backends}")
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=8, loc="upper left")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
