@@ -29,7 +29,7 @@ def test_every_model_config_composes_and_builds(compose, model):
 @pytest.mark.parametrize("sweep", SWEEPS)
 def test_every_sweep_composes_and_plans(plan_points, sweep):
     planned = plan_points([f"+sweep={sweep}"])
-    assert len(planned) >= 2
+    assert len(planned) >= 1
     assert len({p.point.id for p in planned}) == len(planned)
     assert all(p.inputs["sweep"] == sweep for p in planned)
 
