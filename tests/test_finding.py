@@ -108,15 +108,15 @@ def test_check_fails_when_the_slope_ratio_is_out_of_range(tmp_path):
     assert criterion.startswith("slope ratio 512/128") and "= 2.14" in criterion
 
 
-def test_check_fails_when_batch_32_at_512_fits_the_card(tmp_path):
-    proc = check(write_results(tmp_path / "run", {**PUBLISHED, (32, 512): 23_000.0}))  # < 23.69 GiB = 24,259.6 MiB
+def test_check_fails_when_batch_32_at_512_is_not_above_24_gib(tmp_path):
+    proc = check(write_results(tmp_path / "run", {**PUBLISHED, (32, 512): 24_300.0}))  # 23.73 GiB < 24 GiB = 24,576 MiB
     assert proc.returncode == 1
     (criterion,) = failed(proc.stdout)
-    assert criterion.startswith("batch 32 at 512 does not fit the RTX 3090 (25,438,126,080 B")
+    assert criterion.startswith("batch 32 at 512 above 24 GiB (the RTX 3090 holds 23.69 GiB)")
 
 
-def test_check_counts_a_figure_above_the_card_as_not_fitting(tmp_path):
-    proc = check(write_results(tmp_path / "run", {**PUBLISHED, (32, 512): 24_300.0}))  # just above 24,259.6 MiB
+def test_check_passes_a_batch_32_figure_just_above_24_gib(tmp_path):
+    proc = check(write_results(tmp_path / "run", {**PUBLISHED, (32, 512): 24_600.0}))  # just above 24,576 MiB
     assert proc.returncode == 0, proc.stdout
 
 

@@ -5,7 +5,7 @@ costs several times more at length 512 than at 128. It holds for DIR when all fo
   - the batch-1 peaks at 128 and 512 are within 2% of each other;
   - the slope ratio, MiB per sample between batch 8 and 16 at 512 over the same at 128, is within [2.5, 5];
   - every point the paper has a figure for is within 10% of it (points it lacks are skipped);
-  - batch 32 at 512 does not fit the RTX 3090 the paper ran on (an `oom` row counts as not fitting).
+  - batch 32 at 512 is above 24 GiB, more than the RTX 3090 the paper ran on holds (an `oom` row counts).
 Exit codes: 0 the finding holds; 1 it does not; 2 bad input (one line on stderr).
 """
 
@@ -27,6 +27,7 @@ BATCH1_TOLERANCE = 0.02
 SLOPE_RATIO_RANGE = (2.5, 5.0)
 POINT_TOLERANCE = 0.10
 OOM_POINT = (32, LONG)
+OOM_ABOVE = 24 * GiB  # the issue's line: "batch 32 at 512 above 24 GiB" (the card itself holds 23.69 GiB)
 STATE_WORDS = {"oom": "OOM", "absent": "not reported", "error": "ERROR", "timeout": "TIMEOUT", "crash": "CRASH"}
 
 
@@ -121,8 +122,8 @@ def points_close(side: pd.DataFrame) -> Criterion:
 
 def oom_point(side: pd.DataFrame) -> Criterion:
     batch, length = OOM_POINT
-    cap = reference.DEVICE_BYTES
-    name = f"batch {batch} at {length} does not fit the {reference.DEVICE} ({cap:,} B = {cap / GiB:.2f} GiB)"
+    cap = OOM_ABOVE
+    name = f"batch {batch} at {length} above {cap / GiB:.0f} GiB (the {reference.DEVICE} holds {reference.DEVICE_BYTES / GiB:.2f} GiB)"
     state = status(side, "ours", batch, length)
     if state == "oom":
         return Criterion(name, True, "OOM")
