@@ -37,6 +37,8 @@ def run(cfg, overrides: list[str], compose) -> int:
     columns = columns_for(axes + sorted({k for case in cases for k in case}))
     if base["sweep"].get("cases"):
         axes = ["case", *axes]  # the report pivots on the case like on an axis
+    if search:
+        axes = ["data.batch_size", *axes]  # the probes vary the batch size like an axis
     if base["resume"]:
         out_dir = Path(base["resume"])
         check_resume(out_dir, base)
