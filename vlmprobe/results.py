@@ -100,4 +100,5 @@ def pivot(table: pd.DataFrame, axes: list[str], value: str = "peak_allocated_byt
         return frame.set_index(row_key)[["cell"]].rename(columns={"cell": "peak MiB"})
     frame["columns"] = frame[others].astype(str).apply(
         lambda r: ", ".join(f"{k}={v}" for k, v in zip(others, r)), axis=1)
-    return frame.pivot_table(index=row_key, columns="columns", values="cell", aggfunc="first", sort=False)
+    wide = frame.pivot_table(index=row_key, columns="columns", values="cell", aggfunc="first", sort=False)
+    return wide.sort_index().fillna("")  # a cell no point filled (a max-batch search probes different sizes)

@@ -48,8 +48,13 @@ def setup_text() -> str:
 
 
 def matches(table: pd.DataFrame, axis_columns: list[str]) -> bool:
-    """A sweep the published table speaks to: its axes are the table's, and every row has the published setup."""
-    return set(axis_columns) == AXES and len(table) > 0 and bool(same_setup(table).all())
+    """A sweep the published table speaks to: its axes are the table's, every row has the published setup,
+    and it has every point the paper reports (a max-batch search over the same axes does not)."""
+    if set(axis_columns) != AXES or not len(table) or not bool(same_setup(table).all()):
+        return False
+    published = load()
+    reported = published[published["status"] != "absent"]
+    return set(zip(reported["batch_size"], reported["lm_max_length"])) <= set(zip(table["batch_size"], table["lm_max_length"]))
 
 
 def side_by_side(table: pd.DataFrame) -> pd.DataFrame:
