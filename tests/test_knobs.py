@@ -134,3 +134,10 @@ def test_more_images_per_sample_take_more_tokens_and_activations(run):
 def test_allocator_conf_is_recorded_in_the_row(plan_points):
     (planned,) = plan_points(BASE + ["measure.alloc_conf=expandable_segments:True"])
     assert planned.inputs["alloc_conf"] == "expandable_segments:True"
+
+
+def test_flash_attention_2_is_skipped_with_the_reason_where_it_cannot_run(plan_points):
+    (planned,) = plan_points(["model=qwen2_vl_tiny", "data.lm_max_length=64", "measure.backend=estimate",
+                              "model.attn_implementation=flash_attention_2"])
+    assert planned.skip == "flash_attention_2 has no CPU kernel to run on backend estimate; use sdpa or a GPU"
+    assert planned.inputs["attn_implementation"] == "flash_attention_2"

@@ -8,6 +8,7 @@ parameter counts come from the model built on the meta device (no memory, millis
 from __future__ import annotations
 
 import functools
+import importlib.util
 import json
 import re
 from dataclasses import dataclass
@@ -90,8 +91,10 @@ def _describe_model(model_json: str, train_json: str, optimizer_json: str) -> tu
     from vlmprobe.step import make_optimizer
     from vlmprobe.worker import DTYPES, build_spec
 
-    train, optimizer = json.loads(train_json), json.loads(optimizer_json)
-    spec = build_spec(json.loads(model_json))
+    train, optimizer, model_cfg = json.loads(train_json), json.loads(optimizer_json), json.loads(model_json)
+    if model_cfg.get("attn_implementation") == "flash_attention_2":
+        model_cfg["attn_implementation"] = "sdpa"  # same parameters; transformers refuses flash without its package
+    spec = build_spec(model_cfg)
     model = spec.build(torch.device("meta"), DTYPES[train["param_dtype"]], init=False)
     apply_knobs(spec, model, train)
     params, trainable = count_params(model)
@@ -176,7 +179,19 @@ def validate_point(cfg: dict, point: Point) -> tuple[dict, str | None]:
     for key, value in point.values.items():  # every swept key has a column (case keys too)
         if axis_column(key) not in inputs:
             inputs[axis_column(key)] = value if not isinstance(value, (dict, list)) else json.dumps(value)
-    return inputs, skip
+    return inputs, skip or kernel_skip(cfg)
+
+
+def kernel_skip(cfg: dict) -> str | None:
+    """Why a point's attention kernel cannot run here: flash_attention_2 needs the flash-attn package and a
+    CUDA GPU (there is no CPU kernel to estimate it with)."""
+    if cfg["model"].get("attn_implementation") != "flash_attention_2":
+        return None
+    if cfg["measure"]["backend"] != "cuda":
+        return f"flash_attention_2 has no CPU kernel to run on backend {cfg['measure']['backend']}; use sdpa or a GPU"
+    if importlib.util.find_spec("flash_attn") is None:
+        return "flash_attention_2 needs the flash-attn package (pip install flash-attn), not installed here"
+    return None
 
 
 def plan_point(compose, overrides: list[str], point: Point) -> PlannedPoint:
