@@ -38,7 +38,7 @@ def environment(backend_info: dict, config: dict) -> dict:
         "platform": platform.platform(),
         "hostname": socket.gethostname(),
         "git_commit": git_commit(),
-        "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
+        "command": " ".join(["python -m vlmprobe", *sys.argv[1:]]),
         "started_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
     }
 
