@@ -19,7 +19,7 @@ from pathlib import Path
 import pandas as pd
 
 from vlmprobe import reference
-from vlmprobe.results import GiB, MiB, read_table
+from vlmprobe.results import GiB, MiB, read_results_dir
 
 SHORT, LONG = 128, 512
 SLOPE_FROM, SLOPE_TO = 8, 16  # the slope is taken where both lengths have published figures
@@ -151,13 +151,7 @@ def table_text(side: pd.DataFrame, backends: str) -> str:
 def load_side(out_dir: Path) -> tuple[pd.DataFrame, str]:
     """reference.side_by_side of DIR's rows and the backends they came from; ValueError (one line) if DIR
     holds nothing the published table speaks to."""
-    csv = out_dir / "results.csv"
-    if not csv.is_file():
-        raise ValueError(f"{out_dir} is not a vlmprobe results dir (no results.csv)")
-    try:
-        table = read_table(csv)
-    except Exception as exc:  # any unreadable file is bad input, whatever pandas calls it
-        raise ValueError(f"{csv} could not be read: {exc}") from None
+    table = read_results_dir(out_dir)
     comparable = reference.same_setup(table)
     if not comparable.any():
         raise ValueError(f"{out_dir} has no rows with the published setup ({reference.setup_text()}); "

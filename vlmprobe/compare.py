@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from vlmprobe.results import INPUT_COLUMNS, MiB, read_table
+from vlmprobe.results import INPUT_COLUMNS, MiB, read_results_dir, read_table
 
 NOT_KEYS = {"params", "trainable_params"}
 
@@ -40,15 +40,9 @@ def baseline_path(root: Path, results_dir: Path) -> Path:
 
 def load(out_dir: Path) -> tuple[pd.DataFrame, dict]:
     """The rows and env.json of a results dir; ValueError (one line) if it is not one."""
-    csv, env = out_dir / "results.csv", out_dir / "env.json"
-    if not csv.is_file():
-        raise ValueError(f"{out_dir} is not a vlmprobe results dir (no results.csv)")
-    try:
-        table = read_table(csv)
-    except Exception as exc:  # any unreadable file is bad input, whatever pandas calls it
-        raise ValueError(f"{csv} could not be read: {exc}") from None
+    table, env = read_results_dir(out_dir), out_dir / "env.json"
     if table.empty:
-        raise ValueError(f"{csv} has no rows")
+        raise ValueError(f"{out_dir / 'results.csv'} has no rows")
     return table, json.loads(env.read_text()) if env.is_file() else {}
 
 

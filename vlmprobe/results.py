@@ -85,6 +85,17 @@ def read_table(path: Path) -> pd.DataFrame:
     return table.dropna(subset=["status"])
 
 
+def read_results_dir(out_dir: Path) -> pd.DataFrame:
+    """The rows of a results dir given on a command line; ValueError (one line) if it is not one."""
+    csv = out_dir / "results.csv"
+    if not csv.is_file():
+        raise ValueError(f"{out_dir} is not a vlmprobe results dir (no results.csv)")
+    try:
+        return read_table(csv)
+    except Exception as exc:  # any unreadable file is bad input, whatever pandas calls it
+        raise ValueError(f"{csv} could not be read: {exc}") from None
+
+
 def mib(value) -> str:
     return "" if pd.isna(value) else f"{value / MiB:,.1f}"
 
