@@ -75,14 +75,13 @@ def against(reference_dir: Path, tmp: Path) -> pd.DataFrame:
 
 
 def published(tmp: Path) -> pd.DataFrame:
-    from vlmprobe.reference import load_reference
+    from vlmprobe import reference
 
-    reference = load_reference("nanovlm_issue103")
     estimate = read_table(sweep(["+sweep=seq_len", "measure.backend=estimate"], tmp / "published") / "results.csv")
-    merged = estimate.merge(reference, on=["batch_size", "lm_max_length"], how="inner")
-    merged = merged[merged["peak_mib"].notna()]
-    table = pd.DataFrame({"batch_size": merged["batch_size"], "lm_max_length": merged["lm_max_length"],
-                          "published": merged["peak_mib"] * MiB, "estimate": merged["peak_allocated_bytes"].astype(float)})
+    side = reference.side_by_side(estimate)
+    side = side[side["ratio"].notna()]
+    table = pd.DataFrame({"batch_size": side["batch_size"], "lm_max_length": side["lm_max_length"],
+                          "published": side["published_bytes"].astype(float), "estimate": side["ours_bytes"].astype(float)})
     return relative(table, "published", "estimate")
 
 
