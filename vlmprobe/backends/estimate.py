@@ -10,7 +10,8 @@ Modelling decisions (each one is what CUDA would do, applied on fake CPU tensors
 - Autocast: CUDA's op lists (vlmprobe.autocast_policy) instead of the CPU's, so each activation has the
   dtype it has on CUDA.
 - Attention: torch's CPU SDPA kernel is a flash kernel that keeps output + logsumexp for backward, as
-  CUDA's flash and memory-efficient kernels do (O(seq) state, not the O(seq^2) math path).
+  CUDA's flash and memory-efficient kernels do (O(seq) state); where CUDA would fall back to the math
+  kernel (e.g. fp32 with grouped KV heads), the math kernel runs here too (vlmprobe.sdpa_choice).
 - Masks: the models pass no attention mask for unpadded batches, so transformers materialises none (it
   would for fake tensors, taking them for tracing).
 

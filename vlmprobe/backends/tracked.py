@@ -1,7 +1,7 @@
 """Backends without a GPU: the tracker counts live storage bytes while the step runs with CUDA's choices.
 
 Both make the choices CUDA would make (the optimizer implementation in step.make_optimizer, CUDA's autocast
-op policy); `cpu` runs real CPU tensors and `estimate` fake ones. With the same program on both, the cpu
+op policy, CUDA's SDPA kernel where it differs in what it keeps for backward); `cpu` runs real CPU tensors and `estimate` fake ones. With the same program on both, the cpu
 backend proves the fake bookkeeping: the two must agree to the byte.
 """
 
@@ -12,6 +12,7 @@ import platform
 
 from vlmprobe.autocast_policy import cuda_autocast_policy
 from vlmprobe.backends.base import Backend
+from vlmprobe.sdpa_choice import cuda_sdpa_choice
 from vlmprobe.tracker import LiveBytesTracker
 
 
@@ -73,6 +74,7 @@ class TrackedBackend(Backend):
     def session(self, capacity):
         with contextlib.ExitStack() as stack:
             stack.enter_context(cuda_autocast_policy())
+            stack.enter_context(cuda_sdpa_choice())
             if self.fake:
                 from torch._subclasses.fake_tensor import FakeTensorMode
 
