@@ -53,3 +53,14 @@ def test_breakdown_matches_a_hand_computation_for_adamw(point, compose):
     assert row["params_bytes"] == 4 * params  # fp32 weights
     assert row["grads_bytes"] == 4 * params  # one fp32 grad per weight
     assert row["optimizer_state_bytes"] == 2 * 4 * params  # AdamW: exp_avg + exp_avg_sq
+
+
+def test_a_qwen2_vl_7b_estimate_runs_and_reports_the_published_parameter_count(plan_points):
+    # FACTS.md section 4: 8,291,375,616 parameters; bf16 weights, batch 1, 448 px (256 image tokens)
+    (planned,) = plan_points(["model=qwen2_vl_7b", "train.param_dtype=bfloat16", "train.autocast_dtype=null",
+                              "data.lm_max_length=512", "measure.backend=estimate"])
+    row = measure(planned.config)
+    assert planned.inputs["params"] == 8_291_375_616 and planned.inputs["image_tokens"] == 256
+    assert row["status"] == "ok" and row["params_bytes"] == 2 * 8_291_375_616
+    # AdamW keeps two moments in the weights' dtype: the step's peak holds weights, grads and both moments
+    assert row["peak_allocated_bytes"] > 4 * 2 * 8_291_375_616
