@@ -140,6 +140,11 @@ def validate_point(cfg: dict, point: Point) -> tuple[dict, str | None]:
     if not isinstance(steps, int) or isinstance(steps, bool) or steps <= 0:
         raise ConfigError(f"measure.steps={steps!r} is not allowed: it must be a positive integer")
     measure["device_memory"] = parse_bytes(measure["device_memory"], "measure.device_memory")
+    if measure["backend"] == "cuda" and measure["isolate"] is False:
+        raise ConfigError("measure.isolate=false is not allowed with backend cuda: each CUDA point runs in a fresh "
+                          "process, or one point's allocator state would leak into the next")
+    if measure["isolate"] not in ("auto", True, False):
+        raise ConfigError(f"measure.isolate={measure['isolate']!r} is not allowed: use auto, true or false")
     for key in ("snapshot", "hold_outputs"):
         if not isinstance(measure[key], bool):
             raise ConfigError(f"measure.{key}={measure[key]!r} is not allowed: use true or false")
