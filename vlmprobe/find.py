@@ -9,7 +9,17 @@ fits; it probes `low` first, then halves the interval: ceil(log2(high - low + 1)
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
+from pathlib import Path
+
+import pandas as pd
+from tqdm import tqdm
+
+from vlmprobe.errors import ConfigError
+from vlmprobe.grid import Point
+from vlmprobe.plan import grid_points, parse_bytes, plan_point
+from vlmprobe.results import GiB, MiB
 
 
 def fits(row: dict, budget: int) -> bool:
@@ -33,3 +43,57 @@ def largest_fitting(probe: Callable[[int], dict], low: int, high: int, budget: i
         else:
             failing = middle
     return fitting
+
+
+class MaxBatchSearch:
+    """+find=max_batch: the largest batch size that fits memory_budget, for every grid point."""
+
+    def __init__(self, compose, overrides: list[str], base: dict, backend: str):
+        self.budget = parse_bytes(base["memory_budget"], "memory_budget")
+        if self.budget is None:
+            raise ConfigError("memory_budget=null is not allowed with +find=max_batch: give bytes or a size like 24GiB")
+        self.low, self.high = base["find"]["low"], base["find"]["high"]
+        if not all(isinstance(v, int) and not isinstance(v, bool) for v in (self.low, self.high)) or not 1 <= self.low <= self.high:
+            raise ConfigError(f"find.low={self.low!r}, find.high={self.high!r} are not allowed: give integers with 1 <= low <= high")
+        self.points = grid_points(overrides, base)
+        if any("data.batch_size" in p.values for p in self.points):
+            raise ConfigError("data.batch_size is both swept and searched by +find=max_batch: drop the axis")
+        self.overrides = [o for o in overrides if o.split("=", 1)[0] != "data.batch_size"]
+        if backend != "cuda" and base["measure"]["device_memory"] is None:
+            # the allocator model runs out of memory where a card of the budget's size would
+            self.overrides.append(f"measure.device_memory={self.budget}")
+        self.compose = compose
+        self.planned = [self.probe_point(p, self.low) for p in self.points]  # validates every configuration
+        self.found: list[dict] = []
+
+    def probe_point(self, point, batch_size: int):
+        values = {**point.values, "data.batch_size": batch_size}
+        return plan_point(self.compose, self.overrides, Point(point.index, values, point.case))
+
+    def run(self, runner) -> None:
+        """Bisect every configuration through `runner` (sweep.Runner: probes resumed from its rows are reused)."""
+        for point in tqdm(self.points, desc="configurations", unit="config", dynamic_ncols=True):
+            probes = []
+
+            def probe(batch_size: int) -> dict:
+                probes.append(batch_size)
+                return runner.run(self.probe_point(point, batch_size))
+
+            best = largest_fitting(probe, self.low, self.high, self.budget)
+            self.found.append({"configuration": point.id, "largest_batch_size": best, "memory_budget_bytes": self.budget,
+                               "probes": len(probes), "probed": " ".join(map(str, probes))})
+
+    def report(self, out_dir: Path) -> None:
+        """max_batch.csv, and a section appended to summary.md."""
+        table = pd.DataFrame(self.found, columns=["configuration", "largest_batch_size", "memory_budget_bytes",
+                                                  "probes", "probed"])
+        table.to_csv(out_dir / "max_batch.csv", index=False)
+        shown = table.drop(columns="memory_budget_bytes").fillna({"largest_batch_size": "none fits"})
+        budget = f"{self.budget / GiB:.2f} GiB" if self.budget >= GiB else f"{self.budget / MiB:.1f} MiB"
+        section = (f"\n## Largest batch size that fits {budget} (1 GiB = 1024^3 bytes, 1 MiB = 1024^2 bytes)\n\n"
+                   f"Bisected over [{self.low}, {self.high}]; every probe is a row above. A probe fits when it ends `ok`\n"
+                   f"with its peak (reserved where measured, else allocated) within the budget.\n\n"
+                   f"{shown.to_markdown(index=False)}\n")
+        with (out_dir / "summary.md").open("a") as f:
+            f.write(section)
+        print(section, file=sys.stderr)
