@@ -40,3 +40,14 @@ def test_cases_go_together_and_cross_the_axes():
         "train.grad_ckpt.lm=true,optimizer=sgd_momentum,data.batch_size=2",
     ]
     assert [p.case for p in points] == ["baseline", "baseline"] + ["train.grad_ckpt.lm=true,optimizer=sgd_momentum"] * 2
+
+
+def test_a_cases_sweep_plots_one_bar_per_case(tmp_path):
+    import pandas as pd
+
+    from vlmprobe.report import plot
+
+    table = pd.DataFrame({"sweep": "knobs", "model": "m", "backend": "estimate", "case": ["baseline", "optimizer=sgd", "x"],
+                          "status": ["ok", "ok", "oom"], "peak_allocated_bytes": [2**30, 2**29, None]})
+    plot(table, ["case"], tmp_path / "plot.png")
+    assert (tmp_path / "plot.png").stat().st_size > 10_000

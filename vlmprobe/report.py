@@ -131,6 +131,8 @@ def plot(table: pd.DataFrame, axes: list[str], path: Path, capacity_bytes: int |
 
     x = "batch_size" if "data.batch_size" in axes or not axes else axis_column(axes[0])
     others = [axis_column(a) for a in axes if axis_column(a) != x]
+    if not pd.api.types.is_numeric_dtype(table[x]):  # cases, optimizers, ...: no line between them
+        return bar_plot(table, [x, *others], path, capacity_bytes, capacity_label)
     fig, ax = plt.subplots(figsize=(8, 5))
     ours = "ours " if reference is not None else ""  # only needed to tell the two sides apart
     sides = [(table, "peak_allocated_bytes", "-", "o", "X", ours)]
@@ -170,6 +172,37 @@ def plot(table: pd.DataFrame, axes: list[str], path: Path, capacity_bytes: int |
     ax.set_title(f"{table['sweep'].iloc[0]}: {table['model'].iloc[0]}, {backends}")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8, loc="upper left")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def bar_plot(table: pd.DataFrame, columns: list[str], path: Path, capacity_bytes: int | None,
+             capacity_label: str) -> None:
+    """Peak GiB as one horizontal bar per point, in sweep order, for axes whose values are names (sweep
+    cases, optimizers); a point without a figure shows its status where its bar would be."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    labels = table[columns].astype(str).apply(lambda r: ", ".join(r), axis=1).tolist()
+    gib = [float(v) / GiB if s == "ok" else 0.0 for v, s in zip(table["peak_allocated_bytes"], table["status"])]
+    fig, ax = plt.subplots(figsize=(10, 1.2 + 0.38 * len(labels)))
+    rows = range(len(labels))
+    ax.barh(rows, gib, color="C0")
+    for row, (value, status) in enumerate(zip(gib, table["status"])):
+        ax.annotate(f"{value:,.2f}" if status == "ok" else status.upper(), (value, row), xytext=(4, 0),
+                    textcoords="offset points", va="center", fontsize=8)
+    if capacity_bytes:
+        ax.axvline(capacity_bytes / GiB, color="red", linestyle=":", label=f"{capacity_label}: {capacity_bytes / GiB:.2f} GiB")
+        ax.legend(fontsize=8, loc="lower right")
+    ax.set_yticks(list(rows), labels, fontsize=8)
+    ax.invert_yaxis()  # first point on top, as in the tables
+    ax.set_xlabel("peak allocated memory (GiB = 1024^3 B)")
+    backends = ", ".join(BACKEND_TITLES.get(b, b) for b in sorted(table["backend"].dropna().unique()))
+    ax.set_title(f"{table['sweep'].iloc[0]}: {table['model'].iloc[0]}, {backends}")
+    ax.grid(alpha=0.3, axis="x")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
