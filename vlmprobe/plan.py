@@ -18,10 +18,10 @@ from omegaconf import OmegaConf
 from vlmprobe.errors import ConfigError
 from vlmprobe.grid import Point, expand, flatten_axes, flatten_cases
 from vlmprobe.results import axis_column
+from vlmprobe.tracker import BYTE_UNITS
 
 DTYPE_NAMES = ("float32", "bfloat16", "float16")
 _SIZE = re.compile(r"^\s*([\d.]+)\s*(B|KiB|MiB|GiB|TiB)?\s*$")
-_UNITS = {None: 1, "B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40}
 
 
 @dataclass
@@ -39,7 +39,7 @@ def parse_bytes(value, key: str) -> int | None:
     match = _SIZE.match(str(value))
     if isinstance(value, bool) or not match or float(match.group(1)) <= 0:
         raise ConfigError(f"{key}={value!r} is not allowed: give bytes or a size like 24GiB (units B, KiB, MiB, GiB, TiB)")
-    return int(float(match.group(1)) * _UNITS[match.group(2)])
+    return int(float(match.group(1)) * BYTE_UNITS[match.group(2) or "B"])
 
 
 def check_axis_keys(base: dict, keys: list[str], overrides: list[str]) -> None:

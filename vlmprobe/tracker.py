@@ -83,10 +83,10 @@ class LiveBytesTracker(TorchDispatchMode):
 
 
 _REQUEST = re.compile(r"Tried to allocate ([\d.]+) (bytes|KiB|MiB|GiB|TiB)")
-_UNITS = {"bytes": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40}
+BYTE_UNITS = {"B": 1, "bytes": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40}  # 1024-based, as CUDA prints
 
 
 def requested_bytes(message: str) -> int | None:
     """The allocation an out-of-memory message says failed (CUDA's and the tracker's wording), in bytes."""
     match = _REQUEST.search(message)
-    return round(float(match.group(1)) * _UNITS[match.group(2)]) if match else None
+    return round(float(match.group(1)) * BYTE_UNITS[match.group(2)]) if match else None

@@ -1,8 +1,9 @@
 """Backends without a GPU: the tracker counts live storage bytes while the step runs with CUDA's choices.
 
 Both make the choices CUDA would make (the optimizer implementation in step.make_optimizer, CUDA's autocast
-op policy, CUDA's SDPA kernel where it differs in what it keeps for backward); `cpu` runs real CPU tensors and `estimate` fake ones. With the same program on both, the cpu
-backend proves the fake bookkeeping: the two must agree to the byte.
+op policy, CUDA's SDPA kernel where it differs in what it keeps for backward); `cpu` runs real CPU tensors
+and `estimate` fake ones. With the same program on both, the cpu backend proves the fake bookkeeping: the
+two must agree to the byte.
 """
 
 from __future__ import annotations
