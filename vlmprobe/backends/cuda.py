@@ -21,6 +21,11 @@ def available() -> bool:
     return torch.cuda.is_available()
 
 
+def device_count() -> int:
+    """Visible CUDA GPUs (CUDA_VISIBLE_DEVICES applied); creates no CUDA context."""
+    return torch.cuda.device_count()
+
+
 class CudaMeter:
     def sync(self) -> None:
         torch.cuda.synchronize()
@@ -85,6 +90,9 @@ class CudaBackend(Backend):
         torch.cuda.memory._record_memory_history(max_entries=SNAPSHOT_ENTRIES)
         torch.cuda.reset_peak_memory_stats()
         yield CudaMeter()
+
+    def select_device(self, local_rank):
+        torch.cuda.set_device(local_rank)  # one GPU per rank of a launched job
 
     def write_snapshot(self, path) -> bool:
         torch.cuda.memory._dump_snapshot(str(path))
