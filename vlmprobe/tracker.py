@@ -35,6 +35,7 @@ class LiveBytesTracker(TorchDispatchMode):
         self.allocator = CachingAllocatorModel(capacity)
         self.answer_fake_scalar_reads = answer_fake_scalar_reads
         self._seen: weakref.WeakSet = weakref.WeakSet()
+        self._blocks: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # storage -> (handle, finalizer)
 
     @property
     def current(self) -> int:
@@ -52,7 +53,32 @@ class LiveBytesTracker(TorchDispatchMode):
     def _charge(self, storage) -> None:
         handle = self.allocator.malloc(storage.nbytes())
         self._seen.add(storage)
-        weakref.finalize(storage, self.allocator.free, handle)
+        self._blocks[storage] = (handle, weakref.finalize(storage, self.allocator.free, handle))
+
+    def _resized(self, storage) -> None:
+        """A storage resized in place (FSDP2 frees an unsharded parameter with resize_(0) and allocates it
+        again with resize_(n), keeping the storage object): CUDA frees the old block and allocates a new
+        one, so the model does the same."""
+        handle, finalizer = self._blocks.pop(storage, (None, None))
+        if finalizer is not None and finalizer.detach() is not None:
+            self.allocator.free(handle)
+        if storage.nbytes():
+            self._charge(storage)
+
+    def __enter__(self):
+        resize = self._storage_resize = torch.UntypedStorage.resize_
+
+        def resize_(storage, size):
+            out = resize(storage, size)
+            self._resized(storage)
+            return out
+
+        torch.UntypedStorage.resize_ = resize_
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        torch.UntypedStorage.resize_ = self._storage_resize
+        return super().__exit__(*exc)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
