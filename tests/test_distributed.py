@@ -102,6 +102,7 @@ def test_activations_do_not_change_with_world_size_at_a_fixed_per_gpu_batch(run_
     assert len(set(activations.values())) == 1, activations
 
 
+@pytest.mark.slow
 def test_fsdp2_at_world_size_1_is_within_a_few_percent_of_one_gpu_without_sharding(run_dist, point):
     base = ["model=nanovlm_222m", "data.batch_size=4", "data.lm_max_length=512", "train.param_dtype=bfloat16",
             "train.autocast_dtype=null", "measure.backend=estimate"]

@@ -4,7 +4,9 @@ Used by the cpu backend (real CPU tensors) and the estimate backend (fake tensor
 sees every aten op below autograd, so it sees the forward, the tensors autograd saves, the backward and
 the optimizer alike. Each storage an op returns that was not seen before is allocated from a model of the
 CUDA caching allocator (vlmprobe.allocator: 512-byte rounding, segments, best fit, unsplit remainders),
-in the order the ops run, and freed there when the storage dies; the figures are that model's.
+in the order the ops run, and freed there when the storage dies, or resized in place (`resize_`, how FSDP2
+frees and re-allocates unsharded parameters: the old block is freed, a new one allocated); the figures are
+that model's.
 Storages that exist before the tracker starts are not counted, nor tensors made from Python data
 (`torch.tensor(...)`): a real run creates those without dispatching an allocation (only fake mode lifts
 them through `lift_fresh`), and in training code they are scalars kept on the CPU even under CUDA, such
@@ -18,7 +20,7 @@ import weakref
 
 import torch
 from torch._subclasses.fake_tensor import DataDependentOutputException
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_leaves
 
 from vlmprobe.allocator import CachingAllocatorModel
@@ -94,18 +96,32 @@ class LiveBytesTracker(TorchDispatchMode):
         if func in _FROM_PYTHON_DATA:
             return out
         inputs = None
-        for t in tree_leaves(out):
-            if not isinstance(t, torch.Tensor) or t.layout != torch.strided or t.device.type == "meta":
+        for t in storage_tensors(out):
+            if t.device.type == "meta":
                 continue
             storage = t.untyped_storage()
             if storage in self._seen:
                 continue
             if inputs is None:  # an output aliasing an input (in-place op, view) allocated nothing new
-                inputs = {id(a.untyped_storage()) for a in tree_leaves((args, kwargs))
-                          if isinstance(a, torch.Tensor) and a.layout == torch.strided}
+                inputs = {id(a.untyped_storage()) for a in storage_tensors((args, kwargs))}
             if id(storage) not in inputs:
                 self._charge(storage)
         return out
+
+
+def storage_tensors(tree) -> list[torch.Tensor]:
+    """The tensors in `tree` that own memory: a wrapper subclass (DTensor: a global shape around this rank's
+    local shard) stands for its inner tensors, whose storages are the memory; its own storage is none."""
+    found = []
+    for t in tree_leaves(tree):
+        if not isinstance(t, torch.Tensor) or t.layout != torch.strided:
+            continue
+        if is_traceable_wrapper_subclass(t):
+            names, _ = t.__tensor_flatten__()
+            found.extend(storage_tensors([getattr(t, name) for name in names]))
+        else:
+            found.append(t)
+    return found
 
 
 _REQUEST = re.compile(r"Tried to allocate ([\d.]+) (bytes|KiB|MiB|GiB|TiB)")
