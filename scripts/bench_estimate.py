@@ -6,7 +6,7 @@ sweep and (3) one qwen2_vl_7b FSDP2 point at world size 8 (all ranks alike, so o
 as `python -m vlmprobe ... measure.backend=estimate` in a subprocess, and prints a table: step time (the
 row's step_time_s), wall time and the subprocess's peak RSS.
 
-    python scripts/bench_estimate.py
+    python scripts/bench_estimate.py [NAME_PART]   # e.g. fsdp2: only the cases whose name contains it
 """
 
 from __future__ import annotations
@@ -48,8 +48,11 @@ def run(args: list[str]) -> dict:
 
 
 def main() -> None:
+    chosen = sys.argv[1] if len(sys.argv) > 1 else ""  # run only the cases whose name contains this
     rows = []
     for name, args, targets in CASES:
+        if chosen not in name:
+            continue
         measured = run(args)
         verdict = all(measured[k] is not None and measured[k] <= v for k, v in targets.items())
         rows.append({"case": name, **{k: round(v, 2) if isinstance(v, float) else v for k, v in measured.items()},
