@@ -29,7 +29,7 @@ def run(cfg, overrides: list[str], compose) -> int:
     base = OmegaConf.to_container(cfg, resolve=True)
     base.pop("hydra", None)
     backend, note = backends.resolve(base["measure"]["backend"])
-    search = MaxBatchSearch(compose, overrides, base, backend) if base["find"] else None
+    search = MaxBatchSearch(compose, overrides, base) if base["find"] else None
     planned = search.planned if search else plan(compose, overrides, base)
     if note:
         print(note, file=sys.stderr)

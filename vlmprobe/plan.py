@@ -21,6 +21,7 @@ from vlmprobe.results import axis_column
 from vlmprobe.tracker import BYTE_UNITS
 
 DTYPE_NAMES = ("float32", "bfloat16", "float16")
+RECORD_HISTORY = ("off", "alloc", "all")
 _SIZE = re.compile(r"^\s*([\d.]+)\s*(B|KiB|MiB|GiB|TiB)?\s*$")
 
 
@@ -145,6 +146,9 @@ def validate_point(cfg: dict, point: Point) -> tuple[dict, str | None]:
                           "process, or one point's allocator state would leak into the next")
     if measure["isolate"] not in ("auto", True, False):
         raise ConfigError(f"measure.isolate={measure['isolate']!r} is not allowed: use auto, true or false")
+    if measure["record_history"] not in RECORD_HISTORY:
+        raise ConfigError(f"measure.record_history={measure['record_history']!r} is not allowed: use one of "
+                          f"{', '.join(RECORD_HISTORY)}")
     for key in ("snapshot", "hold_outputs"):
         if not isinstance(measure[key], bool):
             raise ConfigError(f"measure.{key}={measure[key]!r} is not allowed: use true or false")

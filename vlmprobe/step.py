@@ -102,10 +102,14 @@ def train_steps(spec, model, batch, optimizer, meter: Meter, steps: int, autocas
                 loss, outputs = spec.loss(model, batch)
                 if accum > 1:
                     loss = loss / accum  # the mean over the effective batch, as accumulation loops do
-            held = outputs if hold_outputs else None  # this reference is what keeps them alive
-            del outputs
-            close_phase(step_peaks, "forward")
+            kept = outputs if hold_outputs else None  # this reference is what keeps them alive
+            del outputs  # unless kept, the outputs die here once autograd no longer needs them
+            # read while the previous step's held outputs are still alive: they are in `before_forward` too,
+            # so the difference is this forward's saved tensors, loss and (when held) outputs. The allocator
+            # counts on the host as it hands out blocks, so no sync is needed for this figure.
             report.activations_bytes = meter.current() - before_forward
+            held = kept  # rebinding lets the previous outputs die, as `_, loss = model(...)` does
+            close_phase(step_peaks, "forward")
             loss.backward()
             close_phase(step_peaks, "backward")
         report.grads_bytes = sum(p.grad.untyped_storage().nbytes() for p in model.parameters() if p.grad is not None)

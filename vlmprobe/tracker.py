@@ -86,7 +86,8 @@ _REQUEST = re.compile(r"Tried to allocate ([\d.]+) (bytes|KiB|MiB|GiB|TiB)")
 BYTE_UNITS = {"B": 1, "bytes": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40}  # 1024-based, as CUDA prints
 
 
-def requested_bytes(message: str) -> int | None:
-    """The allocation an out-of-memory message says failed (CUDA's and the tracker's wording), in bytes."""
+def segment_bytes_in_message(message: str) -> int | None:
+    """The allocation an out-of-memory message says failed (CUDA's and the tracker's wording), in bytes: the
+    segment the allocator tried to reserve, which CUDA prints formatted to 2 decimals."""
     match = _REQUEST.search(message)
     return round(float(match.group(1)) * BYTE_UNITS[match.group(2)]) if match else None
