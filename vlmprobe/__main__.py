@@ -15,8 +15,6 @@ import shlex
 import sys
 from pathlib import Path
 
-from vlmprobe.overrides import CONF
-
 # Keys that do not decide the rows: a resumed dir may be given them differently.
 NOT_DECIDING = ("results_dir", "resume", "dry_run", "sweep.max_points")
 
@@ -220,7 +218,7 @@ def interrupted_line(argv: list[str], out_dir: Path | None) -> str:
 
 
 def run_command(argv: list[str], state: dict) -> int:
-    from vlmprobe.overrides import check_group_choices, check_syntax, compose_checked
+    from vlmprobe.overrides import CONF, check_group_choices, check_syntax, compose_checked
 
     check_syntax(argv)
     check_group_choices(argv)
@@ -236,29 +234,31 @@ def run_command(argv: list[str], state: dict) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """The command; returns its exit code. Every failure is one line on stderr, never a traceback."""
-    from vlmprobe.errors import ConfigError, first_line, log_internal_error
-
     argv = sys.argv[1:] if argv is None else list(argv)
     if any(a in ("-h", "--help") for a in argv):
         print(__doc__.strip() + "\n\nSee README.md for the config keys and sweeps.")
         return 0
-    if not CONF.is_dir():
-        say(f"vlmprobe: config directory {CONF} not found; install from a checkout with `pip install -e .`")
-        return 2
     state: dict = {"out_dir": None}  # where rows go, once there is such a place
-    try:
-        return run_command(argv, state)
-    except ConfigError as exc:
-        say(f"vlmprobe: {exc}")
-        return 2
+    try:  # everything, imports included: a Ctrl-C at any moment gets its one line too
+        from vlmprobe.errors import ConfigError, first_line, log_internal_error
+        from vlmprobe.overrides import CONF
+
+        if not CONF.is_dir():
+            say(f"vlmprobe: config directory {CONF} not found; install from a checkout with `pip install -e .`")
+            return 2
+        try:
+            return run_command(argv, state)
+        except ConfigError as exc:
+            say(f"vlmprobe: {exc}")
+            return 2
+        except Exception as exc:
+            log = log_internal_error(exc, state["out_dir"])
+            say(f"vlmprobe: internal error, not a problem with your input ({type(exc).__name__}: "
+                f"{first_line(exc)}); the traceback is in {log}")
+            return 1
     except KeyboardInterrupt:
         say(interrupted_line(argv, state["out_dir"]))
         return 130
-    except Exception as exc:
-        log = log_internal_error(exc, state["out_dir"])
-        say(f"vlmprobe: internal error, not a problem with your input ({type(exc).__name__}: {first_line(exc)}); "
-            f"the traceback is in {log}")
-        return 1
 
 
 if __name__ == "__main__":
