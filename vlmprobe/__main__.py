@@ -107,6 +107,9 @@ def check_top_level(base: dict) -> None:
     if not isinstance(base["dry_run"], bool):
         raise ConfigError(f"dry_run={base['dry_run']!r} is not allowed: use true or false")
     parse_bytes(base["memory_budget"], "memory_budget")
+    name = base["sweep"]["name"]
+    if not isinstance(name, str) or not name.strip() or "/" in name or name in (".", ".."):
+        raise ConfigError(f"sweep.name={name!r} is not allowed: give a name (it names the results folder)")
     limit = base["sweep"].get("max_points")
     if not isinstance(limit, int) or isinstance(limit, bool) or limit <= 0:
         raise ConfigError(f"sweep.max_points={limit!r} is not allowed: it must be a positive integer")

@@ -181,12 +181,15 @@ def validate_point(cfg: dict, point: Point) -> tuple[dict, str | None]:
         if not isinstance(measure[key], bool):
             raise ConfigError(f"measure.{key}={measure[key]!r} is not allowed: use true or false")
     data = DataShape.from_config(cfg["data"])
-    try:
+    try:  # the data is valid by now: what fails here is the model's own settings (a side, a factor)
         spec = build_spec(cfg["model"])
+        spec.validate(data)
+        image_size, image_tokens = spec.image_size(data), spec.image_tokens(data)
+    except ConfigError:
+        raise
     except Exception as exc:  # Hydra's InstantiationException: the cause is the constructor's own refusal
         raise refused(f"model={cfg['model'].get('name', '?')} with its settings", str(cfg["model"].get("_target_")),
                       exc.__cause__ or exc) from None
-    spec.validate(data)
     described, skip = _describe_model(*(json.dumps(cfg[k], sort_keys=True) for k in ("model", "train", "optimizer")))
     inputs = {
         "sweep": cfg["sweep"]["name"],
@@ -200,10 +203,10 @@ def validate_point(cfg: dict, point: Point) -> tuple[dict, str | None]:
         "grad_accum_steps": train["grad_accum_steps"],
         "effective_batch_size": data.batch_size * train["grad_accum_steps"],
         "lm_max_length": data.lm_max_length,
-        "image_size": spec.image_size(data),
+        "image_size": image_size,
         "images_per_sample": data.images_per_sample,
         "max_pixels": data.max_pixels,
-        "image_tokens": spec.image_tokens(data),
+        "image_tokens": image_tokens,
         "grad_ckpt_lm": train["grad_ckpt"]["lm"],
         "grad_ckpt_vision": train["grad_ckpt"]["vision"],
         "freeze_vision": train["freeze_vision"],
