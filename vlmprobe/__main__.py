@@ -221,6 +221,8 @@ def interrupted_line(argv: list[str], out_dir: Path | None) -> str:
 
 
 def run_command(argv: list[str], state: dict) -> int:
+    import functools
+
     from vlmprobe.overrides import CONF, check_group_choices, check_syntax, compose_checked
 
     check_syntax(argv)
@@ -229,8 +231,12 @@ def run_command(argv: list[str], state: dict) -> int:
     from hydra import initialize_config_dir
 
     with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
-        def compose(extra):
+        @functools.lru_cache(maxsize=None)  # a single point is the command line itself: composed once
+        def composed(extra: tuple):
             return hydra.compose(config_name="config", overrides=list(extra))
+
+        def compose(extra):
+            return composed(tuple(extra))
 
         return run(compose_checked(compose, argv), argv, compose, state)
 
