@@ -54,7 +54,7 @@ def test_resume_recomputes_no_finished_point(tmp_path):
     lines = (out / "results.csv").read_text().splitlines()
     (out / "results.csv").write_text("\n".join(lines[:3]) + "\n")  # keep the header and 2 of 4 rows
     (out / "results.csv").open("a").write("1,2,")  # and a line cut short, as a kill mid-write leaves it
-    proc = run_cli(["+sweep=smoke", ESTIMATE, f"results_dir={tmp_path}", f"resume={out}"], cwd=tmp_path)
+    proc = run_cli(["+sweep=smoke", ESTIMATE, f"resume={out}"], cwd=tmp_path)  # resume= names the dir: no results_dir=
     assert proc.returncode == 0, proc.stderr
     assert "resume: 2 of 4 points already have rows" in proc.stderr
     table = pd.read_parquet(out / "results.parquet")
@@ -101,6 +101,11 @@ BAD = {
     "axis not a config key": (["+sweep=smoke", "+sweep.axes.data.nope=[1,2]"], "sweep axis 'data.nope' is not allowed: it is not a key of the config"),
     "cuda without a GPU": (["measure.backend=cuda"], "measure.backend=cuda is not allowed here: no CUDA GPU is visible"),
     "unknown backend": (["measure.backend=tpu"], "measure.backend='tpu' is not allowed: use one of auto, cuda, cpu, estimate"),
+    # issue 9: values Hydra or a library refuses, through the real command (tests/test_bad_input.py has them all)
+    "negative lr": (["model=nanovlm_tiny", "optimizer.lr=-1"],
+                    "optimizer.lr=-1 is not allowed: torch.optim.AdamW refuses it: Invalid learning rate: -1"),
+    "unknown key": (["nosuchkey=1"], "nosuchkey=1 is not allowed: 'nosuchkey' is not a config key"),
+    "axis without a sweep": (["sweep.axes.data.batch_size=[1,2]"], "add it as a new axis with +sweep.axes.data.batch_size=[1,2]"),
 }
 
 

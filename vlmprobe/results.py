@@ -52,8 +52,9 @@ class RowWriter:
 
     def __init__(self, path: Path, columns: list[str]):
         self.path = path
+        if path.exists():
+            drop_cut_line(path)  # a kill mid-header leaves nothing: the header is written again below
         if path.exists() and path.stat().st_size:
-            drop_cut_line(path)
             with path.open(newline="") as f:
                 columns = next(csv.reader(f))
         else:

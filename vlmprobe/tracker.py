@@ -35,6 +35,13 @@ class LiveBytesTracker(TorchDispatchMode):
         self.allocator = CachingAllocatorModel(capacity)
         self.answer_fake_scalar_reads = answer_fake_scalar_reads
         self._seen: weakref.WeakSet = weakref.WeakSet()
+        self._open = True  # storages that die after the measurement are not freed into the model
+
+    def __exit__(self, *exc):
+        # An interrupt can strike inside malloc/free and leave the model half-updated; the figures are read
+        # before this point, so later deaths (garbage collection, interpreter exit) must not touch it.
+        self._open = False
+        return super().__exit__(*exc)
 
     @property
     def current(self) -> int:
@@ -52,7 +59,11 @@ class LiveBytesTracker(TorchDispatchMode):
     def _charge(self, storage) -> None:
         handle = self.allocator.malloc(storage.nbytes())
         self._seen.add(storage)
-        weakref.finalize(storage, self.allocator.free, handle)
+        weakref.finalize(storage, self._free, handle).atexit = False  # nothing to free into at exit
+
+    def _free(self, handle: int) -> None:
+        if self._open:
+            self.allocator.free(handle)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
