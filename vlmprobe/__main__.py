@@ -44,6 +44,7 @@ def run(cfg, overrides: list[str], compose, state: dict) -> int:
     backend, note = backends.resolve(base["measure"]["backend"])
     if base["resume"]:
         check_resume(Path(base["resume"]), base)
+        state["out_dir"] = Path(base["resume"])  # its rows are kept whatever happens next
     check_size(compose, overrides, base, len(grid_points(overrides, base)))
     search = MaxBatchSearch(compose, overrides, base, backend) if base["find"] else None
     planned = search.planned if search else plan(compose, overrides, base)
