@@ -104,8 +104,6 @@ BAD = {
     # issue 9: values Hydra or a library refuses, through the real command (tests/test_bad_input.py has them all)
     "negative lr": (["model=nanovlm_tiny", "optimizer.lr=-1"],
                     "optimizer.lr=-1 is not allowed: torch.optim.AdamW refuses it: Invalid learning rate: -1"),
-    "unknown key": (["nosuchkey=1"], "nosuchkey=1 is not allowed: 'nosuchkey' is not a config key"),
-    "axis without a sweep": (["sweep.axes.data.batch_size=[1,2]"], "add it as a new axis with +sweep.axes.data.batch_size=[1,2]"),
 }
 
 

@@ -44,6 +44,7 @@ def run(cfg, overrides: list[str], compose, state: dict) -> int:
     backend, note = backends.resolve(base["measure"]["backend"])
     if base["resume"]:
         check_resume(Path(base["resume"]), base)
+        state["out_dir"] = Path(base["resume"])  # its rows are kept whatever happens next
     check_size(compose, overrides, base, len(grid_points(overrides, base)))
     search = MaxBatchSearch(compose, overrides, base) if base["find"] else None
     planned = search.planned if search else plan(compose, overrides, base)
@@ -248,26 +249,33 @@ def main(argv: list[str] | None = None) -> int:
         print(__doc__.strip() + "\n\nSee README.md for the config keys and sweeps.")
         return 0
     state: dict = {"out_dir": None}  # where rows go, once there is such a place
-    try:  # everything, imports included: a Ctrl-C at any moment gets its one line too
-        from vlmprobe.errors import ConfigError, first_line, log_internal_error
-        from vlmprobe.overrides import CONF
+    from vlmprobe import interrupt
 
-        if not CONF.is_dir():
-            say(f"vlmprobe: config directory {CONF} not found; install from a checkout with `pip install -e .`")
-            return 2
-        try:
-            return run_command(argv, state)
-        except ConfigError as exc:
-            say(f"vlmprobe: {exc}")
-            return 2
-        except Exception as exc:
-            log = log_internal_error(exc, state["out_dir"])
-            say(f"vlmprobe: internal error, not a problem with your input ({type(exc).__name__}: "
-                f"{first_line(exc)}); the traceback is in {log}")
-            return 1
-    except KeyboardInterrupt:
-        say(interrupted_line(argv, state["out_dir"]))
-        return 130
+    with interrupt.watching():
+        try:  # everything, imports included: a Ctrl-C at any moment gets its one line too
+            from vlmprobe.errors import ConfigError, first_line, log_internal_error
+            from vlmprobe.overrides import CONF
+
+            if not CONF.is_dir():
+                say(f"vlmprobe: config directory {CONF} not found; install from a checkout with `pip install -e .`")
+                return 2
+            try:
+                return run_command(argv, state)
+            except ConfigError as exc:
+                if interrupt.received():  # a library failed because Ctrl-C struck inside it
+                    raise KeyboardInterrupt from None
+                say(f"vlmprobe: {exc}")
+                return 2
+            except Exception as exc:
+                if interrupt.received():
+                    raise KeyboardInterrupt from None
+                log = log_internal_error(exc, state["out_dir"])
+                say(f"vlmprobe: internal error, not a problem with your input ({type(exc).__name__}: "
+                    f"{first_line(exc)}); the traceback is in {log}")
+                return 1
+        except KeyboardInterrupt:
+            say(interrupted_line(argv, state["out_dir"]))
+            return 130
 
 
 if __name__ == "__main__":

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from vlmprobe import backends
+from vlmprobe import backends, interrupt
 from vlmprobe.results import RowWriter, mib, read_table
 from vlmprobe.worker import RAISED, ROW_PREFIX, measure
 
@@ -106,6 +106,8 @@ class Runner:
         if item.point.id in self.done:
             return self.done[item.point.id]
         outputs = {"status": "skipped", "error": item.skip} if item.skip else run_point(self.with_snapshot_file(item))
+        if interrupt.received():  # Ctrl-C struck inside the point and a library turned it into a failure
+            raise KeyboardInterrupt
         outputs.setdefault("backend", item.config["measure"]["backend"])
         row = {**item.inputs, **outputs}
         self.writer.append(row)
