@@ -23,3 +23,20 @@ class HangingSpec(NanoVLMSpec):
 class RaisingSpec(NanoVLMSpec):
     def batch(self, data, device):
         raise RuntimeError("broken on purpose")
+
+
+class DyingAtExitSpec(NanoVLMSpec):
+    """Measures normally, then dies at interpreter exit (after the row is printed), as a CUDA teardown can."""
+
+    def batch(self, data, device):
+        import atexit
+
+        atexit.register(lambda: os.kill(os.getpid(), signal.SIGSEGV))
+        return super().batch(data, device)
+
+
+class OutOfLibraryMemorySpec(NanoVLMSpec):
+    """Fails as a library does when it cannot get device memory outside the caching allocator."""
+
+    def loss(self, model, batch):
+        raise RuntimeError("CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`")

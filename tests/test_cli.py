@@ -16,10 +16,25 @@ def results_dir(root):
     return found
 
 
-def test_smoke_sweep_writes_every_output_and_says_it_estimates(tmp_path):
-    proc = run_cli(["+sweep=smoke", f"results_dir={tmp_path}"], cwd=tmp_path)
+# The estimate is what these tests mean, GPU or not (`auto` would pick cuda on a GPU host)
+ESTIMATE = "measure.backend=estimate"
+
+
+def test_without_a_gpu_auto_estimates_and_says_so(tmp_path):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is visible: auto measures")
+    proc = run_cli(["+sweep=smoke", "sweep.axes.data.batch_size=[1]", "sweep.axes.data.lm_max_length=[32]",
+                    f"results_dir={tmp_path}"], cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
     assert "No CUDA GPU found: estimating with the 'estimate' backend" in proc.stderr
+    assert set(pd.read_csv(results_dir(tmp_path) / "results.csv")["backend"]) == {"estimate"}
+
+
+def test_smoke_sweep_writes_every_output(tmp_path):
+    proc = run_cli(["+sweep=smoke", ESTIMATE, f"results_dir={tmp_path}"], cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
     out = results_dir(tmp_path)
     assert out.parent.name == "smoke"
     for name in ("results.csv", "results.parquet", "config.yaml", "env.json", "summary.md", "plot.png"):
@@ -33,13 +48,13 @@ def test_smoke_sweep_writes_every_output_and_says_it_estimates(tmp_path):
 
 
 def test_resume_recomputes_no_finished_point(tmp_path):
-    assert run_cli(["+sweep=smoke", f"results_dir={tmp_path}"], cwd=tmp_path).returncode == 0
+    assert run_cli(["+sweep=smoke", ESTIMATE, f"results_dir={tmp_path}"], cwd=tmp_path).returncode == 0
     out = results_dir(tmp_path)
     first = pd.read_csv(out / "results.csv")
     lines = (out / "results.csv").read_text().splitlines()
     (out / "results.csv").write_text("\n".join(lines[:3]) + "\n")  # keep the header and 2 of 4 rows
     (out / "results.csv").open("a").write("1,2,")  # and a line cut short, as a kill mid-write leaves it
-    proc = run_cli(["+sweep=smoke", f"results_dir={tmp_path}", f"resume={out}"], cwd=tmp_path)
+    proc = run_cli(["+sweep=smoke", ESTIMATE, f"resume={out}"], cwd=tmp_path)  # resume= names the dir: no results_dir=
     assert proc.returncode == 0, proc.stderr
     assert "resume: 2 of 4 points already have rows" in proc.stderr
     table = pd.read_parquet(out / "results.parquet")
@@ -49,15 +64,15 @@ def test_resume_recomputes_no_finished_point(tmp_path):
 
 
 def test_resume_refuses_a_dir_of_another_config(tmp_path):
-    assert run_cli(["+sweep=smoke", f"results_dir={tmp_path}"], cwd=tmp_path).returncode == 0
+    assert run_cli(["+sweep=smoke", ESTIMATE, f"results_dir={tmp_path}"], cwd=tmp_path).returncode == 0
     out = results_dir(tmp_path)
-    proc = run_cli(["+sweep=smoke", "train.autocast_dtype=null", f"results_dir={tmp_path}", f"resume={out}"], cwd=tmp_path)
+    proc = run_cli(["+sweep=smoke", ESTIMATE, "train.autocast_dtype=null", f"results_dir={tmp_path}", f"resume={out}"], cwd=tmp_path)
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines()[-1].startswith(f"vlmprobe: resume={out} is not allowed: it was run with a different config")
 
 
 def test_a_sweep_killed_mid_way_leaves_a_readable_csv_with_every_finished_row(tmp_path):
-    args = [sys.executable, "-m", "vlmprobe", "+sweep=smoke", "sweep.axes.data.batch_size=[1,2,3,4,5,6,7,8]",
+    args = [sys.executable, "-m", "vlmprobe", "+sweep=smoke", ESTIMATE, "sweep.axes.data.batch_size=[1,2,3,4,5,6,7,8]",
             f"results_dir={tmp_path}"]
     proc = subprocess.Popen(args, cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.time() + 240
@@ -86,6 +101,9 @@ BAD = {
     "axis not a config key": (["+sweep=smoke", "+sweep.axes.data.nope=[1,2]"], "sweep axis 'data.nope' is not allowed: it is not a key of the config"),
     "cuda without a GPU": (["measure.backend=cuda"], "measure.backend=cuda is not allowed here: no CUDA GPU is visible"),
     "unknown backend": (["measure.backend=tpu"], "measure.backend='tpu' is not allowed: use one of auto, cuda, cpu, estimate"),
+    # issue 9: values Hydra or a library refuses, through the real command (tests/test_bad_input.py has them all)
+    "negative lr": (["model=nanovlm_tiny", "optimizer.lr=-1"],
+                    "optimizer.lr=-1 is not allowed: torch.optim.AdamW refuses it: Invalid learning rate: -1"),
 }
 
 

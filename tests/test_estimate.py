@@ -64,3 +64,20 @@ def test_a_qwen2_vl_7b_estimate_runs_and_reports_the_published_parameter_count(p
     assert row["status"] == "ok" and row["params_bytes"] == 2 * 8_291_375_616
     # AdamW keeps two moments in the weights' dtype: the step's peak holds weights, grads and both moments
     assert row["peak_allocated_bytes"] > 4 * 2 * 8_291_375_616
+
+
+def test_pure_bf16_nanovlm_runs_with_a_mask_cuda_accepts(point):
+    # nanoVLM's additive mask used to be fp32 beside bf16 queries: CUDA's memory-efficient kernel refuses it
+    row = measure(point(["model=nanovlm_tiny", "data.lm_max_length=32", "measure.backend=estimate",
+                         "train.param_dtype=bfloat16", "train.autocast_dtype=null"]))
+    assert row["status"] == "ok"
+
+
+def test_held_outputs_count_in_the_activations_of_every_step(point):
+    # the logits a loop keeps in `_` are live from the forward on: bf16 (autocast) B x L x vocab, 512 B blocks
+    base = ["model=nanovlm_tiny", "data.batch_size=2", "data.lm_max_length=64", "measure.backend=estimate"]
+    rows = {(steps, hold): measure(point(base + [f"measure.steps={steps}", f"measure.hold_outputs={hold}"]))
+            for steps in (1, 3) for hold in ("true", "false")}
+    logits = 2 * 64 * 512 * 2
+    for steps in (1, 3):  # activations_bytes is the last step's: after the first, the held outputs are replaced
+        assert rows[steps, "true"]["activations_bytes"] - rows[steps, "false"]["activations_bytes"] == logits

@@ -5,6 +5,7 @@ import os
 import subprocess
 
 import pandas as pd
+import pytest
 import yaml
 
 from conftest import REPO
@@ -25,8 +26,10 @@ def test_workflow_runs_the_nightly_script_on_a_gpu_every_night_and_keeps_the_res
     assert "self-hosted" in job["runs-on"] and "gpu" in job["runs-on"]
     runs = [step.get("run", "") for step in job["steps"]]
     install = next(r for r in runs if "pip install" in r)
-    assert install.index('install "torch') < install.index('install -e ".[test]"')  # torch first
-    assert any("scripts/nightly.sh" in r for r in runs)
+    # torch first: the CUDA build the runner's driver runs, checked before anything else
+    assert install.index("scripts/install_torch_cuda.sh") < install.index('install -e ".[test]"')
+    tests, sweeps = (next(i for i, r in enumerate(runs) if what in r) for what in ("pytest -q -m cuda", "scripts/nightly.sh"))
+    assert tests < sweeps
     (upload,) = [s for s in job["steps"] if s.get("uses", "").startswith("actions/upload-artifact@")]
     assert upload["if"] == "always()" and upload["with"]["path"] == job["env"]["VLMPROBE_RESULTS"]
 
@@ -74,3 +77,21 @@ def test_nightly_goes_on_after_a_failed_step_and_exits_non_zero(tmp_path):
     assert "nightly: 2 step(s) failed:" in proc.stderr
     assert "- finding check on" in proc.stderr and "- regression gate:" in proc.stderr
     assert "GREW" in proc.stdout
+
+
+@pytest.mark.parametrize("driver_cuda,tag", [("13.1", "cu130"), ("12.9", "cu128"), ("12.6", "cu126"), ("12.2", None)])
+def test_torch_is_installed_for_the_newest_cuda_build_the_driver_runs(tmp_path, driver_cuda, tag):
+    # stand-ins on PATH: nvidia-smi reports the driver's CUDA version, python records what it was asked
+    (tmp_path / "nvidia-smi").write_text(f"#!/bin/sh\necho '| NVIDIA-SMI 570.1  Driver Version: 570.1  CUDA Version: {driver_cuda} |'\n")
+    (tmp_path / "python").write_text(f"#!/bin/sh\necho \"$@\" >> {tmp_path}/calls\n")
+    for name in ("nvidia-smi", "python"):
+        (tmp_path / name).chmod(0o755)
+    proc = subprocess.run(["bash", str(REPO / "scripts" / "install_torch_cuda.sh")], capture_output=True, text=True,
+                          env={**os.environ, "PATH": f"{tmp_path}:{os.environ['PATH']}"})
+    if tag is None:
+        assert proc.returncode == 1 and "update the driver" in proc.stderr
+        return
+    assert proc.returncode == 0, proc.stderr
+    install, check = (tmp_path / "calls").read_text().splitlines()
+    assert install.endswith(f"/whl/{tag}") and "torch>=2.11,<2.14" in install
+    assert check.endswith("cuda_usable.py")

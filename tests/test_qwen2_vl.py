@@ -196,13 +196,22 @@ def test_validation_names_the_value_and_what_is_allowed(plan_points, overrides, 
 
 
 def test_image_sizes_outside_the_pixel_bounds_are_resized_not_rejected(plan_points):
-    (small,) = plan_points(["model=qwen2_vl_tiny", "data.image_size=10", "data.lm_max_length=19"])
-    assert small.inputs["image_tokens"] == 4  # up to 56 x 56 px
+    (small,) = plan_points(["model=qwen2_vl_tiny", "data.image_size=30", "data.lm_max_length=19"])
+    assert small.inputs["image_tokens"] == 4  # 30 x 30 px is below min_pixels: up to 56 x 56 px
     (large,) = plan_points(["model=qwen2_vl_tiny", "data.image_size=4000", "data.max_pixels=602112",
                             "data.lm_max_length=1024"])
     assert large.inputs["image_tokens"] == 729  # down to 756 x 756 px
     (lowest,) = plan_points(["model=qwen2_vl_tiny", "data.lm_max_length=19"])  # the least that fits
     assert lowest.inputs["image_tokens"] == 16
+
+
+@pytest.mark.parametrize("size", [1, 3, 27])
+def test_an_image_side_below_one_28_px_block_is_refused(plan_points, size):
+    # transformers 4.45-4.52's smart_resize: "height:{h} or width:{w} must be larger than factor:28"
+    with pytest.raises(ConfigError, match=rf"data.image_size={size} is not allowed for qwen2_vl_tiny: a side must be at least 28 px"):
+        plan_points(["model=qwen2_vl_tiny", f"data.image_size={size}"])
+    (edge,) = plan_points(["model=qwen2_vl_tiny", "data.image_size=28", "data.lm_max_length=19"])
+    assert edge.inputs["image_tokens"] == 4  # 28 x 28 is below min_pixels (56 x 56): upsampled
 
 
 def test_image_size_sweep_plans_four_2b_points_that_fit_in_its_sequence(plan_points):

@@ -44,3 +44,16 @@ def test_fp32_grouped_attention_keeps_the_attention_weights_as_cuda_math_does():
     # flash under bf16 autocast: bf16 casts of q (262,144 B) and of the shared k/v leaf (65,536 B, cast once),
     # the bf16 output (262,144 B) and the fp32 logsumexp (2 x 8 x 128 x 4 = 8,192 B); nothing L x L
     assert bf16 == 262_144 + 65_536 + 262_144 + 8_192
+
+
+def test_a_bias_of_another_dtype_than_the_query_is_refused_as_cuda_efficient_attention_refuses_it():
+    from vlmprobe.sdpa_choice import cuda_sdpa_choice
+
+    q = torch.zeros(1, 2, 16, 8, dtype=torch.bfloat16)
+    with cuda_sdpa_choice():
+        with pytest.raises(RuntimeError, match="invalid dtype for bias - should match query's dtype"):
+            F.scaled_dot_product_attention(q, q, q, attn_mask=torch.zeros(1, 1, 1, 16))  # fp32 mask
+        F.scaled_dot_product_attention(q, q, q, attn_mask=torch.zeros(1, 1, 1, 16, dtype=torch.bfloat16))
+        F.scaled_dot_product_attention(q, q, q, attn_mask=torch.ones(1, 1, 1, 16, dtype=torch.bool))
+        with torch.autocast("cpu", dtype=torch.bfloat16):  # autocast casts q and the mask alike
+            F.scaled_dot_product_attention(q.float(), q.float(), q.float(), attn_mask=torch.zeros(1, 1, 1, 16))

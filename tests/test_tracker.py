@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from vlmprobe.tracker import LiveBytesTracker, requested_bytes
+from vlmprobe.tracker import LiveBytesTracker, segment_bytes_in_message
 
 
 def test_counts_new_storages_until_they_die_and_keeps_the_peak():
@@ -46,11 +46,11 @@ def test_capacity_raises_out_of_memory_when_a_new_segment_does_not_fit():
         with pytest.raises(torch.OutOfMemoryError) as err:
             torch.empty(2**19)  # 2 MiB: a large-pool request needs a new 20 MiB segment, over 3 MiB
         assert t.current == 4096
-    assert requested_bytes(str(err.value)) == 20 * 2**20
+    assert segment_bytes_in_message(str(err.value)) == 20 * 2**20
     assert keep.numel() == 1024
 
 
-def test_requested_bytes_reads_cuda_out_of_memory_messages():
+def test_segment_bytes_in_message_reads_cuda_out_of_memory_messages():
     message = "CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of 23.69 GiB"
-    assert requested_bytes(message) == 2 * 2**30
-    assert requested_bytes("something else") is None
+    assert segment_bytes_in_message(message) == 2 * 2**30
+    assert segment_bytes_in_message("something else") is None

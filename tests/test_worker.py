@@ -27,13 +27,14 @@ def test_isolated_worker_returns_the_same_row_as_an_in_process_run(point):
 
 
 def test_out_of_memory_in_a_worker_is_a_row_with_the_peak_before_it_and_the_request(point):
-    # The tiny model's tensors fit in 2 MiB small-pool segments; the 4 MiB logits of 8 x 256 tokens x 512
-    # vocab x fp32 need a 20 MiB large-pool segment, which does not fit in 10 MiB
+    # The tiny model's tensors fit in 2 MiB small-pool segments; the 2 MiB logits of 8 x 256 tokens x 512
+    # vocab x bf16 (autocast) need a 20 MiB large-pool segment, which does not fit in 10 MiB
     row = run_point(point(TINY + ["measure.isolate=true", "measure.device_memory=10MiB", "data.batch_size=8",
                                   "data.lm_max_length=256"]))
     assert row["status"] == "oom"
     assert 0 < row["peak_allocated_bytes"] <= 10 * 2**20
-    assert row["oom_request_bytes"] == 20 * 2**20  # the segment that did not fit
+    assert row["oom_segment_bytes"] == 20 * 2**20  # the segment that did not fit
+    assert row["oom_block_bytes"] == 8 * 256 * 512 * 2  # for the logits, a multiple of 512 already
     assert "out of memory" in row["error"]
 
 
@@ -54,3 +55,45 @@ def test_a_point_that_raises_is_an_error_row_in_and_out_of_process(point, faulty
     row = run_point(point(TINY + [f"measure.isolate={isolate}", "model._target_=faulty_models.RaisingSpec"]))
     assert row["status"] == "error"
     assert "RuntimeError: broken on purpose" in row["error"]
+
+
+def test_a_worker_that_dies_after_printing_its_row_keeps_the_row_and_notes_the_exit(point, faulty_env):
+    row = run_point(point(TINY + ["measure.isolate=true", "model._target_=faulty_models.DyingAtExitSpec"]))
+    assert row["status"] == "ok" and row["peak_allocated_bytes"] > 0
+    assert "worker killed by signal 11 after printing its row" in row["notes"]
+
+
+@pytest.mark.parametrize("isolate", ["true", "false"])
+def test_out_of_memory_outside_the_caching_allocator_is_an_oom_row(point, faulty_env, isolate):
+    row = run_point(point(TINY + [f"measure.isolate={isolate}", "model._target_=faulty_models.OutOfLibraryMemorySpec"]))
+    assert row["status"] == "oom" and "CUBLAS_STATUS_ALLOC_FAILED" in row["error"]
+    assert row["oom_segment_bytes"] is None  # the library's own allocation: no segment was asked for
+
+
+@pytest.mark.parametrize("exc,oom", [
+    (RuntimeError("CUDA error: out of memory\nCUDA kernel errors might be asynchronously reported"), True),
+    (RuntimeError("cuDNN error: CUDNN_STATUS_ALLOC_FAILED"), True),
+    (RuntimeError("CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`"), True),
+    (RuntimeError("CUDA error: an illegal memory access was encountered"), False),
+    (ValueError("out of memory"), False),  # only the RuntimeErrors torch raises for device failures
+])
+def test_out_of_memory_is_recognised_by_what_cuda_and_its_libraries_say(exc, oom):
+    import torch
+
+    from vlmprobe.worker import is_out_of_memory
+
+    assert is_out_of_memory(exc) is oom
+    assert is_out_of_memory(torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 MiB"))
+
+
+@pytest.mark.parametrize("inherited", [{}, {"PYTORCH_ALLOC_CONF": "backend:cudaMallocAsync"},
+                                       {"PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:128"}])
+def test_the_worker_gets_exactly_the_configured_allocator_settings_under_both_names(point, monkeypatch, inherited):
+    from vlmprobe.sweep import worker_env
+
+    for name, value in inherited.items():
+        monkeypatch.setenv(name, value)
+    none = worker_env(point(TINY))
+    assert "PYTORCH_ALLOC_CONF" not in none and "PYTORCH_CUDA_ALLOC_CONF" not in none
+    both = worker_env(point(TINY + ["measure.alloc_conf=expandable_segments:True"]))
+    assert both["PYTORCH_ALLOC_CONF"] == both["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True"

@@ -1,26 +1,38 @@
 """`python -m vlmprobe [+sweep=NAME] [overrides]`: plan every point, run them, write the tables.
 
-Exit codes: 0 the sweep ran (OOM points are results); 1 every point failed for a reason other than memory;
-2 bad input (one line on stderr, before any heavy work).
+Overrides are Hydra's (key=value; +key=value adds a key or a sweep axis). dry_run=true plans and validates
+every point and runs and writes nothing.
+
+Exit codes: 0 the sweep ran (OOM points are results); 1 every point failed for a reason other than memory,
+or vlmprobe itself failed (one line, and a log file with the traceback); 2 bad input (one line on stderr,
+before any point runs and before anything is written); 130 interrupted (Ctrl-C: one line saying how many
+rows are kept, where, and the command that resumes).
 """
 
 from __future__ import annotations
 
+import shlex
 import sys
 from pathlib import Path
 
-CONF = Path(__file__).resolve().parent.parent / "conf"
+# Keys that do not decide the rows: a resumed dir may be given them differently.
+NOT_DECIDING = ("results_dir", "resume", "dry_run", "sweep.max_points")
 
 
-def run(cfg, overrides: list[str], compose) -> int:
+def say(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
+def run(cfg, overrides: list[str], compose, state: dict) -> int:
     import datetime
 
     from omegaconf import OmegaConf
 
     from vlmprobe import backends
+    from vlmprobe.errors import ConfigError
     from vlmprobe.find import MaxBatchSearch
     from vlmprobe.grid import flatten_axes, flatten_cases
-    from vlmprobe.plan import plan
+    from vlmprobe.plan import grid_points, plan
     from vlmprobe.provenance import environment, write_env
     from vlmprobe.report import write_reports
     from vlmprobe.results import columns_for
@@ -28,11 +40,20 @@ def run(cfg, overrides: list[str], compose) -> int:
 
     base = OmegaConf.to_container(cfg, resolve=True)
     base.pop("hydra", None)
+    check_top_level(base)
     backend, note = backends.resolve(base["measure"]["backend"])
-    search = MaxBatchSearch(compose, overrides, base, backend) if base["find"] else None
+    if base["resume"]:
+        check_resume(Path(base["resume"]), base)
+        state["out_dir"] = Path(base["resume"])  # its rows are kept whatever happens next
+    check_size(compose, overrides, base, len(grid_points(overrides, base)))
+    search = MaxBatchSearch(compose, overrides, base) if base["find"] else None
     planned = search.planned if search else plan(compose, overrides, base)
     if note:
-        print(note, file=sys.stderr)
+        say(note)
+    what = f"{len(planned)} configurations to bisect" if search else f"{len(planned)} points"
+    if base["dry_run"]:
+        say(f"vlmprobe: dry run: {what} planned and valid, backend {backend}; nothing run, nothing written")
+        return 0
     axes = list(flatten_axes(base["sweep"]["axes"] or {}))
     cases = flatten_cases(base["sweep"].get("cases"))
     columns = columns_for(axes + sorted({k for case in cases for k in case}))
@@ -42,35 +63,131 @@ def run(cfg, overrides: list[str], compose) -> int:
         axes = ["data.batch_size", *axes]  # the probes vary the batch size like an axis
     if base["resume"]:
         out_dir = Path(base["resume"])
-        check_resume(out_dir, base)
     else:
         stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
         out_dir = Path(base["results_dir"]) / base["sweep"]["name"] / stamp
-        out_dir.mkdir(parents=True, exist_ok=False)
+        try:
+            out_dir.mkdir(parents=True, exist_ok=False)
+        except OSError as exc:
+            raise ConfigError(f"results_dir={base['results_dir']} is not allowed: {out_dir} cannot be made there "
+                              f"({exc.strerror}); give a directory you can write") from None
         (out_dir / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.create({k: v for k, v in base.items() if k != "resume"})))
-    what = f"{len(planned)} configurations to bisect" if search else f"{len(planned)} points"
-    print(f"vlmprobe: {what}, backend {backend}, results in {out_dir}", file=sys.stderr)
+    state["out_dir"] = out_dir
+    say(f"vlmprobe: {what}, backend {backend}, results in {out_dir}")
     env = {**environment(describe_backend(backend, planned[0].config), base), "overrides": overrides}
     env_path = out_dir / "env.json"
     if not env_path.exists():
         write_env(env_path, env)
     runner = Runner(out_dir, columns)
+    interrupted = None
     try:
         if search:
             search.run(runner)
         else:
             run_sweep(planned, runner)
-    finally:  # also on Ctrl-C: the CSV already holds every finished row; make the tables from them
-        table = write_reports(out_dir, axes, env)
-        if search:
-            search.report(out_dir)
-        print(f"vlmprobe: wrote {out_dir}/results.csv, results.parquet, summary.md ({len(table)} rows)", file=sys.stderr)
+    except KeyboardInterrupt as exc:  # the CSV holds every finished row: make the tables from them, then say so
+        interrupted = exc
+    table, failures = write_reports(out_dir, axes, env)
+    if search and not interrupted:
+        search.report(out_dir)
+    for failure in failures:
+        say(f"vlmprobe: {failure}")
+    if interrupted:
+        raise interrupted
+    written = ", ".join(n for n in ("results.csv", "results.parquet", "summary.md", "plot.png") if (out_dir / n).exists())
+    say(f"vlmprobe: wrote {out_dir}: {written} ({len(table)} rows)")
     failed = [s for s in runner.statuses if s not in ("ok", "oom", "skipped")]
     return 1 if runner.statuses and len(failed) == len(runner.statuses) else 0
 
 
+def check_top_level(base: dict) -> None:
+    """The keys of config.yaml itself (the groups are checked per point by plan.py)."""
+    from vlmprobe.errors import ConfigError
+    from vlmprobe.plan import parse_bytes
+
+    if not isinstance(base["dry_run"], bool):
+        raise ConfigError(f"dry_run={base['dry_run']!r} is not allowed: use true or false")
+    parse_bytes(base["memory_budget"], "memory_budget")
+    name = base["sweep"]["name"]
+    if not isinstance(name, str) or not name.strip() or "/" in name or name in (".", ".."):
+        raise ConfigError(f"sweep.name={name!r} is not allowed: give a name (it names the results folder)")
+    limit = base["sweep"].get("max_points")
+    if not isinstance(limit, int) or isinstance(limit, bool) or limit <= 0:
+        raise ConfigError(f"sweep.max_points={limit!r} is not allowed: it must be a positive integer")
+    for key in ("results_dir", "resume"):
+        value = base[key]
+        if key == "resume" and value is None:
+            continue
+        if not isinstance(value, str) or not value.strip():
+            raise ConfigError(f"{key}={value!r} is not allowed: give a directory path")
+    results = Path(base["results_dir"])
+    existing = next(p for p in (results, *results.parents) if p.exists() or p == Path("."))
+    if not existing.is_dir():
+        raise ConfigError(f"results_dir={base['results_dir']} is not allowed: {existing} is a file, not a directory; "
+                          f"give a directory (it is made if missing)")
+    if base["resume"] and not Path(base["resume"]).is_dir():
+        raise ConfigError(f"resume={base['resume']} is not allowed: it is not a directory; give the results dir "
+                          f"of an earlier run (results/<sweep>/<timestamp>)")
+
+
+def check_size(compose, overrides: list[str], base: dict, count: int) -> None:
+    """A grid larger than sweep.max_points is refused, saying how long it would take at the rate one of
+    its points runs here (one point is run to measure it; nothing is written)."""
+    import time
+
+    from vlmprobe.errors import ConfigError
+    from vlmprobe.plan import grid_points, plan_point
+    from vlmprobe.sweep import run_point
+
+    limit = base["sweep"]["max_points"]
+    if count <= limit:
+        return
+    what = f"this sweep has {count:,} points, more than sweep.max_points={limit:,}"
+    if base["dry_run"]:
+        raise ConfigError(f"{what}: raise it (sweep.max_points={count}) to run them")
+    first = plan_point(compose, overrides, grid_points(overrides, base)[0])
+    say(f"vlmprobe: {what}: timing one point to say how long they would take")
+    start = time.perf_counter()
+    run_point(first.config)
+    took = time.perf_counter() - start
+    raise ConfigError(f"{what}: raise it (sweep.max_points={count}) to run them; one point took {took:.1f} s "
+                      f"here, so all would take about {duration(took * count)}")
+
+
+def duration(seconds: float) -> str:
+    if seconds < 120:
+        return f"{seconds:.0f} s"
+    if seconds < 7200:
+        return f"{seconds / 60:.0f} min"
+    return f"{seconds / 3600:.1f} h"
+
+
+def deciding(config: dict) -> dict:
+    """The config without the keys that do not decide the rows (NOT_DECIDING, dotted)."""
+    import copy
+
+    config = copy.deepcopy(config)
+    for dotted in NOT_DECIDING:
+        *parents, leaf = dotted.split(".")
+        node = config
+        for part in parents:
+            node = node.get(part) if isinstance(node, dict) else None
+        if isinstance(node, dict):
+            node.pop(leaf, None)
+    return config
+
+
+def differences(before, now, prefix: str = "") -> list[str]:
+    """Dotted keys whose values differ between two configs."""
+    if isinstance(before, dict) and isinstance(now, dict):
+        return [d for k in sorted(set(before) | set(now), key=str)
+                for d in differences(before.get(k), now.get(k), f"{prefix}{k}.")]
+    return [] if before == now else [prefix.rstrip(".")]
+
+
 def check_resume(out_dir: Path, base: dict) -> None:
-    """A resumed dir must hold the same sweep, so that its rows and the new ones belong to one table."""
+    """A resumed dir must hold the same sweep, so that its rows and the new ones belong to one table; only
+    what decides the rows is compared (not where they are written)."""
     from omegaconf import OmegaConf
 
     from vlmprobe.errors import ConfigError
@@ -78,57 +195,88 @@ def check_resume(out_dir: Path, base: dict) -> None:
     saved = out_dir / "config.yaml"
     if not saved.exists():
         raise ConfigError(f"resume={out_dir} is not allowed: it has no config.yaml (not a vlmprobe results dir)")
-    before = OmegaConf.to_container(OmegaConf.load(saved), resolve=True)
-    now = {k: v for k, v in base.items() if k not in ("resume",)}
-    if before != now:
-        changed = sorted(k for k in set(before) | set(now) if before.get(k) != now.get(k))
+    try:
+        before = OmegaConf.to_container(OmegaConf.load(saved), resolve=True)
+    except Exception as exc:
+        raise ConfigError(f"resume={out_dir} is not allowed: its config.yaml cannot be read ({exc})") from None
+    changed = differences(deciding(before), deciding(base))
+    if changed:
         raise ConfigError(f"resume={out_dir} is not allowed: it was run with a different config "
                           f"(differs in: {', '.join(changed)}); run the same command with resume=DIR")
 
 
-def check_group_choices(args: list[str]) -> None:
-    """Name an unknown group option (model=..., +sweep=...) and the allowed ones, before Hydra's longer error."""
-    from vlmprobe.errors import ConfigError
+def interrupted_line(argv: list[str], out_dir: Path | None) -> str:
+    """What an interrupted command leaves, and the command that continues it."""
+    if out_dir is None:
+        return "vlmprobe: interrupted before any point ran; nothing was written"
+    from vlmprobe.results import read_table
 
-    for arg in args:
-        key, sep, value = arg.partition("=")
-        group = key.lstrip("+")
-        if not sep or "." in group or not (CONF / group).is_dir():
-            continue
-        options = sorted(p.stem for p in (CONF / group).glob("*.yaml"))
-        if value not in options:
-            raise ConfigError(f"{group}={value!r} is not allowed: use one of {', '.join(options)}")
-        if group == "sweep" and not key.startswith("+"):
-            raise ConfigError(f"{arg} is not allowed: a sweep is added to the config, write +sweep={value}")
-
-
-def main() -> None:
-    from vlmprobe.errors import ConfigError
-
-    if not CONF.is_dir():
-        print(f"vlmprobe: config directory {CONF} not found; install from a checkout with `pip install -e .`",
-              file=sys.stderr)
-        sys.exit(2)
+    csv = out_dir / "results.csv"
     try:
-        check_group_choices(sys.argv[1:])
-    except ConfigError as exc:
-        print(f"vlmprobe: {exc}", file=sys.stderr)
-        sys.exit(2)
+        rows = len(read_table(csv)) if csv.exists() else 0
+    except Exception:  # a CSV cut mid-header: no row is kept
+        rows = 0
+    again = [a for a in argv if a.split("=", 1)[0].lstrip("+") != "resume"]
+    command = shlex.join(["python", "-m", "vlmprobe", *again, f"resume={out_dir}"])
+    return f"vlmprobe: interrupted: {rows} rows kept in {csv}; resume with: {command}"
+
+
+def run_command(argv: list[str], state: dict) -> int:
+    import functools
+
+    from vlmprobe.overrides import CONF, check_group_choices, check_syntax, compose_checked
+
+    check_syntax(argv)
+    check_group_choices(argv)
     import hydra
-    from hydra.core.hydra_config import HydraConfig
+    from hydra import initialize_config_dir
 
-    @hydra.main(version_base="1.3", config_path=str(CONF), config_name="config")
-    def app(cfg) -> None:
-        overrides = list(HydraConfig.get().overrides.task)
-        try:
-            code = run(cfg, overrides, lambda extra: hydra.compose(config_name="config", overrides=extra))
-        except ConfigError as exc:
-            print(f"vlmprobe: {exc}", file=sys.stderr)
-            code = 2
-        sys.exit(code)
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        @functools.lru_cache(maxsize=None)  # a single point is the command line itself: composed once
+        def composed(extra: tuple):
+            return hydra.compose(config_name="config", overrides=list(extra))
 
-    app()
+        def compose(extra):
+            return composed(tuple(extra))
+
+        return run(compose_checked(compose, argv), argv, compose, state)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """The command; returns its exit code. Every failure is one line on stderr, never a traceback."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if any(a in ("-h", "--help") for a in argv):
+        print(__doc__.strip() + "\n\nSee README.md for the config keys and sweeps.")
+        return 0
+    state: dict = {"out_dir": None}  # where rows go, once there is such a place
+    from vlmprobe import interrupt
+
+    with interrupt.watching():
+        try:  # everything, imports included: a Ctrl-C at any moment gets its one line too
+            from vlmprobe.errors import ConfigError, first_line, log_internal_error
+            from vlmprobe.overrides import CONF
+
+            if not CONF.is_dir():
+                say(f"vlmprobe: config directory {CONF} not found; install from a checkout with `pip install -e .`")
+                return 2
+            try:
+                return run_command(argv, state)
+            except ConfigError as exc:
+                if interrupt.received():  # a library failed because Ctrl-C struck inside it
+                    raise KeyboardInterrupt from None
+                say(f"vlmprobe: {exc}")
+                return 2
+            except Exception as exc:
+                if interrupt.received():
+                    raise KeyboardInterrupt from None
+                log = log_internal_error(exc, state["out_dir"])
+                say(f"vlmprobe: internal error, not a problem with your input ({type(exc).__name__}: "
+                    f"{first_line(exc)}); the traceback is in {log}")
+                return 1
+        except KeyboardInterrupt:
+            say(interrupted_line(argv, state["out_dir"]))
+            return 130
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -138,6 +138,7 @@ class CachingAllocatorModel:
         self.peak_requested = 0
         self.num_alloc_retries = 0
         self.num_ooms = 0
+        self.last_oom: tuple[int, int] | None = None  # (block, segment) bytes of the last out-of-memory
         self._small_keys: list[int] = []  # cached free blocks of the small pool, sorted
         self._large_keys: list[int] = []  # ... of the large pool
         self._free: dict[int, _Block] = {}  # key -> cached free block, both pools
@@ -170,6 +171,7 @@ class CachingAllocatorModel:
                     block = self._alloc_block(alloc_size, small, True)
                 if block is None:
                     self.num_ooms += 1
+                    self.last_oom = (size, alloc_size)
                     raise torch.OutOfMemoryError(self._oom_message(nbytes, size, alloc_size))
 
         # should_split

@@ -1,5 +1,45 @@
-"""The one exception type for bad input: its message is the single line the user sees."""
+"""Bad input and internal failures, as the user sees them: one line each, never a traceback.
+
+ConfigError is bad input: its message is the single line the user sees (exit 2). A value that a library
+(torch's optimizers, peft, transformers, Hydra) refuses becomes a ConfigError quoting the library's own
+message (`refused`). Anything else that escapes is vlmprobe's fault: one line and a log file holding the
+traceback (`log_internal_error`).
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import tempfile
+import traceback
+from pathlib import Path
+
+LOG_NAME = "vlmprobe-error.log"
 
 
 class ConfigError(ValueError):
     """A configuration value that is not allowed; the message names the value and what is allowed."""
+
+
+def first_line(exc: BaseException) -> str:
+    """The first non-empty line of an exception's message, or its type's name when it has none."""
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    return lines[0] if lines else type(exc).__name__
+
+
+def refused(setting: str, library: str, exc: BaseException) -> ConfigError:
+    """`setting` (e.g. "optimizer.lr=-1") refused by `library` (e.g. "torch.optim.AdamW"), quoting it."""
+    return ConfigError(f"{setting} is not allowed: {library} refuses it: {first_line(exc)}")
+
+
+def log_internal_error(exc: BaseException, out_dir: Path | None = None) -> Path:
+    """Write the traceback of an unexpected exception to a log file and return its path: in the results
+    dir when there is one (it belongs with the rows), else in the temp dir (bad input writes nothing)."""
+    stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+    if out_dir is not None and out_dir.is_dir():
+        path = out_dir / LOG_NAME
+    else:
+        path = Path(tempfile.gettempdir()) / f"vlmprobe-error-{stamp}-{os.getpid()}.log"
+    with path.open("a") as f:
+        f.write(f"--- {stamp}\n{''.join(traceback.format_exception(exc))}\n")
+    return path

@@ -1,9 +1,10 @@
 """Largest batch that fits a memory budget: bisect data.batch_size for each configuration of the grid.
 
 A probe fits when its point finishes (`ok`) within the budget: its peak reserved bytes where the backend
-measures them (cuda), else its peak allocated bytes. The estimate and cpu backends get the budget as their
-device capacity (unless measure.device_memory is set), so their allocator model runs out of memory where a
-card of that size would. Bisection over [low, high] assumes a batch that does not fit means no larger one
+measures them (cuda), else its peak allocated bytes. Every backend gets the budget as its device capacity
+(unless measure.device_memory is set): the allocator model of the estimate and cpu backends, and the caching
+allocator of a larger CUDA card (set_per_process_memory_fraction), run out of memory where a card of that
+size would, retries and cache flushes included; the row's imposed_capacity_bytes says so. Bisection over [low, high] assumes a batch that does not fit means no larger one
 fits; it probes `low` first, then halves the interval: ceil(log2(high - low + 1)) + 1 probes at most.
 """
 
@@ -48,7 +49,7 @@ def largest_fitting(probe: Callable[[int], dict], low: int, high: int, budget: i
 class MaxBatchSearch:
     """+find=max_batch: the largest batch size that fits memory_budget, for every grid point."""
 
-    def __init__(self, compose, overrides: list[str], base: dict, backend: str):
+    def __init__(self, compose, overrides: list[str], base: dict):
         self.budget = parse_bytes(base["memory_budget"], "memory_budget")
         if self.budget is None:
             raise ConfigError("memory_budget=null is not allowed with +find=max_batch: give bytes or a size like 24GiB")
@@ -59,8 +60,9 @@ class MaxBatchSearch:
         if any("data.batch_size" in p.values for p in self.points):
             raise ConfigError("data.batch_size is both swept and searched by +find=max_batch: drop the axis")
         self.overrides = [o for o in overrides if o.split("=", 1)[0] != "data.batch_size"]
-        if backend != "cuda" and base["measure"]["device_memory"] is None:
-            # the allocator model runs out of memory where a card of the budget's size would
+        if base["measure"]["device_memory"] is None:
+            # every backend runs out of memory where a card of the budget's size would: the allocator model
+            # gets it as its capacity, a larger CUDA card as the caching allocator's limit
             self.overrides.append(f"measure.device_memory={self.budget}")
         self.compose = compose
         self.planned = [self.probe_point(p, self.low) for p in self.points]  # validates every configuration

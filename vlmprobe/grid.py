@@ -42,6 +42,9 @@ def format_value(value) -> str:
 
 def flatten_axes(axes: Mapping, prefix: str = "") -> dict[str, list]:
     """{"data": {"batch_size": [1, 8]}} -> {"data.batch_size": [1, 8]}; every leaf must be a non-empty list."""
+    if not isinstance(axes, Mapping):
+        raise ConfigError(f"sweep.axes={axes!r} is not allowed: give a mapping of config keys to lists of values, "
+                          f"e.g. +sweep.axes.data.batch_size=[1,2]")
     flat: dict[str, list] = {}
     for key, value in axes.items():
         dotted = f"{prefix}{key}"

@@ -119,5 +119,6 @@ def validate_knobs(train: dict) -> None:
         value = train[key]
         if not isinstance(value, int) or isinstance(value, bool) or value < low:
             raise ConfigError(f"train.{key}={value!r} is not allowed: it must be an integer >= {low}")
-    if not 0.0 <= float(train["lora_dropout"]) < 1.0:
+    dropout = train["lora_dropout"]
+    if not isinstance(dropout, (int, float)) or isinstance(dropout, bool) or not 0.0 <= dropout < 1.0:
         raise ConfigError(f"train.lora_dropout={train['lora_dropout']!r} is not allowed: it must be in [0, 1)")

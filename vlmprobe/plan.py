@@ -16,12 +16,13 @@ from dataclasses import dataclass
 from omegaconf import OmegaConf
 
 from vlmprobe.distributed import options as dist_options
-from vlmprobe.errors import ConfigError
+from vlmprobe.errors import ConfigError, first_line, refused
 from vlmprobe.grid import Point, expand, flatten_axes, flatten_cases
 from vlmprobe.results import axis_column
 from vlmprobe.tracker import BYTE_UNITS
 
 DTYPE_NAMES = ("float32", "bfloat16", "float16")
+RECORD_HISTORY = ("off", "alloc", "all")
 _SIZE = re.compile(r"^\s*([\d.]+)\s*(B|KiB|MiB|GiB|TiB)?\s*$")
 
 
@@ -69,15 +70,24 @@ def grid_points(overrides: list[str], base: dict) -> list[Point]:
 
 
 def compose_point(compose, overrides: list[str], point: Point) -> dict:
-    """The composed config of one point, resolved, as plain data; `compose(overrides) -> DictConfig` is Hydra's."""
+    """The composed config of one point, resolved, as plain data; `compose(overrides) -> DictConfig` is Hydra's.
+    A value Hydra refuses is one line naming the override (an axis value, or a group option it lacks)."""
+    from vlmprobe.overrides import check_group_choices, compose_checked
+
+    check_group_choices(point.overrides)
+    cfg = compose_checked(compose, overrides + point.overrides)
     try:
-        cfg = compose(overrides + point.overrides)
-    except Exception as exc:  # Hydra's composition errors: one line naming the point
-        message = str(exc).strip().splitlines()[0]
-        raise ConfigError(f"point {point.id}: {message}") from None
-    cfg = OmegaConf.to_container(cfg, resolve=True)
+        cfg = OmegaConf.to_container(cfg, resolve=True)
+    except Exception as exc:  # an interpolation that does not resolve
+        raise ConfigError(f"point {point.id} is not allowed: its config does not resolve ({first_line(exc)})") from None
     cfg.pop("hydra", None)
     return cfg
+
+
+def settings(group: str, values: dict) -> str:
+    """`group.key=value, ...` for the keys of a config node that are set (for a line quoting a library)."""
+    shown = [f"{group}.{k}={v!r}" for k, v in values.items() if not k.startswith("_") and v is not None]
+    return ", ".join(shown) or group
 
 
 @functools.lru_cache(maxsize=None)
@@ -96,8 +106,21 @@ def _describe_model(model_json: str, train_json: str, optimizer_json: str) -> tu
     if model_cfg.get("attn_implementation") == "flash_attention_2":
         model_cfg["attn_implementation"] = "sdpa"  # same parameters; transformers refuses flash without its package
     spec = build_spec(model_cfg)
-    model = spec.build(torch.device("meta"), DTYPES[train["param_dtype"]], init=False)
-    apply_knobs(spec, model, train)
+    try:
+        model = spec.build(torch.device("meta"), DTYPES[train["param_dtype"]], init=False)
+    except ConfigError:
+        raise
+    except Exception as exc:  # a hyperparameter the model's constructor (ours or transformers') refuses
+        raise refused(f"model={spec.name} with its settings", f"{type(spec).__name__}'s constructor", exc) from None
+    try:
+        apply_knobs(spec, model, train)
+    except ConfigError:
+        raise
+    except Exception as exc:
+        if not train["lora_r"]:
+            raise  # freezing and checkpointing take no values a library could refuse: our own failure
+        lora = {k: train[k] for k in ("lora_r", "lora_alpha", "lora_dropout", "lora_target_modules")}
+        raise refused(settings("train", lora), "peft (LoraConfig, inject_adapter_in_model)", exc) from None
     params, trainable = count_params(model)
     described = {"params": params, "trainable_params": trainable, "optimizer": optimizer["_target_"].rsplit(".", 1)[-1]}
     try:
@@ -110,8 +133,12 @@ def _describe_model(model_json: str, train_json: str, optimizer_json: str) -> tu
         missing = re.search(r"No module named '[^']+'", " ".join(chain))
         if missing:
             return described, f"{optimizer['_target_']} cannot be imported here ({missing.group(0)}); install its package"
-        raise ConfigError(f"optimizer {optimizer['_target_']} could not be made from its config: {exc}") from None
-    _, described["optimizer"] = make_optimizer(partial, [p for p in model.parameters() if p.requires_grad])
+        cause = exc.__cause__ or exc
+        raise refused(settings("optimizer", optimizer), f"hydra.utils.instantiate({optimizer['_target_']})", cause) from None
+    try:
+        _, described["optimizer"] = make_optimizer(partial, [p for p in model.parameters() if p.requires_grad])
+    except Exception as exc:  # torch's own checks of the values (lr, betas, eps, unknown keywords)
+        raise refused(settings("optimizer", optimizer), optimizer["_target_"], exc) from None
     return described, None
 
 
@@ -146,16 +173,29 @@ def validate_point(cfg: dict, point: Point) -> tuple[dict, str | None]:
                           "process, or one point's allocator state would leak into the next")
     if measure["isolate"] not in ("auto", True, False):
         raise ConfigError(f"measure.isolate={measure['isolate']!r} is not allowed: use auto, true or false")
+    if measure["record_history"] not in RECORD_HISTORY:
+        raise ConfigError(f"measure.record_history={measure['record_history']!r} is not allowed: use one of "
+                          f"{', '.join(RECORD_HISTORY)}")
+    timeout = measure["timeout_s"]
+    if timeout is not None and (not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or not timeout > 0):
+        raise ConfigError(f"measure.timeout_s={timeout!r} is not allowed: give seconds > 0, or null for no limit")
+    if measure["alloc_conf"] is not None and not isinstance(measure["alloc_conf"], str):
+        raise ConfigError(f"measure.alloc_conf={measure['alloc_conf']!r} is not allowed: give allocator settings "
+                          f"text such as \"expandable_segments:True\", or null")
     for key in ("snapshot", "hold_outputs"):
         if not isinstance(measure[key], bool):
             raise ConfigError(f"measure.{key}={measure[key]!r} is not allowed: use true or false")
     data = DataShape.from_config(cfg["data"])
-    try:
+    try:  # the data is valid by now: what fails here is the model's own settings (a side, a factor)
         spec = build_spec(cfg["model"])
-    except Exception as exc:
-        raise ConfigError(f"model {cfg['model'].get('name', '?')!r} could not be built from its config: {exc}") from None
+        spec.validate(data)
+        image_size, image_tokens = spec.image_size(data), spec.image_tokens(data)
+    except ConfigError:
+        raise
+    except Exception as exc:  # Hydra's InstantiationException: the cause is the constructor's own refusal
+        raise refused(f"model={cfg['model'].get('name', '?')} with its settings", str(cfg["model"].get("_target_")),
+                      exc.__cause__ or exc) from None
     dist_options.validate(cfg["dist"], measure["backend"], cfg.get("find"), _visible_gpus)
-    spec.validate(data)
     described, skip = _describe_model(*(json.dumps(cfg[k], sort_keys=True) for k in ("model", "train", "optimizer")))
     inputs = {
         "sweep": cfg["sweep"]["name"],
@@ -169,10 +209,10 @@ def validate_point(cfg: dict, point: Point) -> tuple[dict, str | None]:
         "grad_accum_steps": train["grad_accum_steps"],
         "effective_batch_size": data.batch_size * train["grad_accum_steps"],
         "lm_max_length": data.lm_max_length,
-        "image_size": spec.image_size(data),
+        "image_size": image_size,
         "images_per_sample": data.images_per_sample,
         "max_pixels": data.max_pixels,
-        "image_tokens": spec.image_tokens(data),
+        "image_tokens": image_tokens,
         "grad_ckpt_lm": train["grad_ckpt"]["lm"],
         "grad_ckpt_vision": train["grad_ckpt"]["vision"],
         "freeze_vision": train["freeze_vision"],

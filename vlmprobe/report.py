@@ -11,6 +11,7 @@ from pathlib import Path
 import pandas as pd
 
 from vlmprobe import check, reference
+from vlmprobe.errors import first_line, log_internal_error
 from vlmprobe.results import GiB, axis_column, mib, pivot, read_table
 
 BACKEND_WORDS = {
@@ -21,17 +22,66 @@ BACKEND_WORDS = {
 BACKEND_TITLES = {"cuda": "measured on CUDA", "estimate": "ESTIMATE (no GPU)", "cpu": "CPU proxy (not GPU)"}
 
 
-def write_reports(out_dir: Path, axes: list[str], env: dict) -> pd.DataFrame:
+def write_reports(out_dir: Path, axes: list[str], env: dict) -> tuple[pd.DataFrame, list[str]]:
+    """Every table the rows allow: (the table, one line per file that could not be written). A file that
+    fails does not stop the others; its traceback goes to the results dir's error log."""
     table = read_table(out_dir / "results.csv")
-    table.to_parquet(out_dir / "results.parquet", index=False)
-    published = reference.matches(table, [axis_column(a) for a in axes])
-    beside = reference_markdown(out_dir, table) if published else ""
-    (out_dir / "summary.md").write_text(summary_markdown(table, axes, env, beside))
+    shown = labelled(table, [axis_column(a) for a in axes])  # what the tables and the plot show
+    failures: list[str] = []
+
+    def attempt(name: str, make, default=None):
+        try:
+            return make()
+        except Exception as exc:  # a report is never worth the rows: say so in one line, keep the rest
+            log = log_internal_error(exc, out_dir)
+            failures.append(f"{name} could not be written ({type(exc).__name__}: {first_line(exc)}); "
+                            f"traceback in {log}")
+            return default
+
+    attempt("results.parquet", lambda: write_parquet(table, out_dir / "results.parquet"))
+    columns = [axis_column(a) for a in axes]
+    published = attempt("the comparison with the published figures", lambda: reference.matches(table, columns), False)
+    beside = attempt("the comparison with the published figures",
+                     lambda: reference_markdown(out_dir, table), "") if published else ""
+    attempt("summary.md", lambda: (out_dir / "summary.md").write_text(summary_markdown(shown, axes, env, beside)))
     if len(table):
         overlay = dict(capacity_bytes=reference.DEVICE_BYTES, capacity_label=f"{reference.DEVICE} capacity",
                        reference=reference.load(), reference_label=f"published ({reference.DEVICE})")
-        plot(table, axes, out_dir / "plot.png", **(overlay if published else {}))
-    return table
+        attempt("plot.png", lambda: plot(shown, axes, out_dir / "plot.png", **(overlay if published else {})))
+    return table, failures
+
+
+def write_parquet(table: pd.DataFrame, path: Path) -> None:
+    """The typed table; if pyarrow cannot type a column (numbers and names in one swept column), the
+    columns of mixed cells are written as text rather than losing the file."""
+    try:
+        table.to_parquet(path, index=False)
+    except (TypeError, ValueError):  # pyarrow's ArrowTypeError / ArrowInvalid
+        mixed = {c: table[c].map(lambda v: None if pd.isna(v) else str(v)) for c in table.columns
+                 if table[c].dtype == object}
+        table.assign(**mixed).to_parquet(path, index=False)
+
+
+def cell_text(value) -> str:
+    """A swept value as a label: null for a missing one, 8 rather than 8.0 for a whole number."""
+    if isinstance(value, (list, tuple, dict)):
+        return str(value)
+    if pd.isna(value):
+        return "null"
+    if isinstance(value, float) and value.is_integer():
+        return str(int(value))
+    return str(value)
+
+
+def labelled(table: pd.DataFrame, columns: list[str]) -> pd.DataFrame:
+    """The table with every swept column that holds a null or a non-number turned into text labels, so
+    that tables and plots group, pivot and label every point (pandas drops NaN keys and keeps NaN through
+    astype(str))."""
+    shown = table.copy()
+    for column in dict.fromkeys(columns):
+        if column in shown and (shown[column].isna().any() or not pd.api.types.is_numeric_dtype(shown[column])):
+            shown[column] = shown[column].map(cell_text).astype(object)
+    return shown
 
 
 def summary_markdown(table: pd.DataFrame, axes: list[str], env: dict, beside: str = "") -> str:
@@ -62,7 +112,7 @@ def summary_markdown(table: pd.DataFrame, axes: list[str], env: dict, beside: st
         failed = table[~table["status"].isin(["ok", "oom"])]
         if len(failed):
             lines += ["## Points that failed", ""]
-            lines += [f"- `{r.point_id}`: {r.status}: {str(r.error).splitlines()[-1][:300]}" for r in failed.itertuples()]
+            lines += [f"- `{r.point_id}`: {r.status}: {last_line(r.error)[:300]}" for r in failed.itertuples()]
             lines.append("")
     else:
         lines += ["(no rows)", ""]
@@ -83,6 +133,12 @@ def rank_spread(table: pd.DataFrame) -> list[str]:
         "max / min": uneven["rank_imbalance"]})
     return ["## Per-rank spread (points whose ranks differ; every rank in ranks.csv)", "",
             shown.to_markdown(index=False), ""]
+
+
+def last_line(error) -> str:
+    """The last line of a failed row's error text (a traceback ends with the exception), or '' for none."""
+    lines = [] if error is None or (not isinstance(error, str) and pd.isna(error)) else str(error).strip().splitlines()
+    return lines[-1] if lines else ""
 
 
 def reference_markdown(out_dir: Path, table: pd.DataFrame) -> str:
@@ -159,7 +215,7 @@ def plot(table: pd.DataFrame, axes: list[str], path: Path, capacity_bytes: int |
         sides.append((reference, "peak_bytes", "--", "s", "x", f"{reference_label} "))
     colours, ooms, heights = {}, [], [capacity_bytes / GiB] if capacity_bytes else []
     for frame, value, style, marker, oom_marker, prefix in sides:
-        groups = frame.groupby(others, sort=False) if others else [((), frame)]
+        groups = frame.groupby(others, sort=False, dropna=False) if others else [((), frame)]
         for key, group in groups:
             key = key if isinstance(key, tuple) else (key,)
             name = ", ".join(f"{k}={v}" for k, v in zip(others, key)) or "peak"
@@ -206,7 +262,7 @@ def bar_plot(table: pd.DataFrame, columns: list[str], path: Path, capacity_bytes
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    labels = table[columns].astype(str).apply(lambda r: ", ".join(r), axis=1).tolist()
+    labels = [", ".join(cell_text(v) for v in row) for row in table[columns].itertuples(index=False)]
     gib = [float(v) / GiB if s == "ok" else 0.0 for v, s in zip(table["peak_allocated_bytes"], table["status"])]
     fig, ax = plt.subplots(figsize=(10, 1.2 + 0.38 * len(labels)))
     rows = range(len(labels))

@@ -29,7 +29,11 @@ OUTPUT_COLUMNS = [
     "num_alloc_retries", "num_ooms", "nvml_used_bytes", "nvml_process_bytes",
     "after_load_bytes", "forward_peak_bytes", "backward_peak_bytes", "optimizer_peak_bytes", "peak_phase",
     "params_bytes", "grads_bytes", "optimizer_state_bytes", "optimizer_state_dtype", "activations_bytes",
-    "oom_request_bytes", "step_time_s", "snapshot_file", "error",
+    "oom_block_bytes",  # oom rows: the block the allocator was asked for (the tensor's bytes rounded up to 512)
+    "oom_segment_bytes",  # oom rows: the segment it tried to reserve for it (the size CUDA's message prints)
+    "imposed_capacity_bytes",  # the device capacity the point ran against, where one was imposed (else the card's)
+    "allocator_backend",  # cuda: native | cudaMallocAsync, as the worker's allocator really ran
+    "step_time_s", "snapshot_file", "notes", "error",
 ]
 MiB, GiB = 2**20, 2**30
 
@@ -51,8 +55,9 @@ class RowWriter:
 
     def __init__(self, path: Path, columns: list[str]):
         self.path = path
+        if path.exists():
+            drop_cut_line(path)  # a kill mid-header leaves nothing: the header is written again below
         if path.exists() and path.stat().st_size:
-            drop_cut_line(path)
             with path.open(newline="") as f:
                 columns = next(csv.reader(f))
         else:

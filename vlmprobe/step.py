@@ -103,10 +103,14 @@ def train_steps(spec, engine, batch, meter: Meter, steps: int, autocast, report:
                 loss, outputs = spec.loss(engine.model, batch)
                 if accum > 1:
                     loss = loss / accum  # the mean over the effective batch, as accumulation loops do
-            held = outputs if hold_outputs else None  # this reference is what keeps them alive
-            del outputs
-            close_phase(step_peaks, "forward")
+            kept = outputs if hold_outputs else None  # this reference is what keeps them alive
+            del outputs  # unless kept, the outputs die here once autograd no longer needs them
+            # read while the previous step's held outputs are still alive: they are in `before_forward` too,
+            # so the difference is this forward's saved tensors, loss and (when held) outputs. The allocator
+            # counts on the host as it hands out blocks, so no sync is needed for this figure.
             report.activations_bytes = meter.current() - before_forward
+            held = kept  # rebinding lets the previous outputs die, as `_, loss = model(...)` does
+            close_phase(step_peaks, "forward")
             engine.backward(loss)
             close_phase(step_peaks, "backward")
         report.grads_bytes = engine.grads_bytes()

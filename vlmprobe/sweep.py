@@ -19,7 +19,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from vlmprobe import backends
+from vlmprobe import backends, interrupt
 from vlmprobe.distributed.ranks import RankWriter, measure_point
 from vlmprobe.results import RowWriter, mib, read_table
 from vlmprobe.worker import RAISED, ROW_PREFIX, measure
@@ -32,11 +32,17 @@ def isolated(config: dict) -> bool:
     return backends.get(config["measure"]["backend"]).isolate if choice == "auto" else bool(choice)
 
 
+# Read by the CUDA allocator when CUDA starts, so they must be in the worker's environment. torch 2.13 reads
+# PYTORCH_ALLOC_CONF first and PYTORCH_CUDA_ALLOC_CONF (the older name) only without it: the worker gets
+# both, or neither, so that what the row's alloc_conf says is what the allocator runs with.
+ALLOC_CONF_VARS = ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF")
+
+
 def worker_env(config: dict) -> dict:
-    env = dict(os.environ)
+    env = {k: v for k, v in os.environ.items() if k not in ALLOC_CONF_VARS}
     alloc_conf = config["measure"].get("alloc_conf")
-    if alloc_conf:  # read by the CUDA allocator when CUDA starts, so it must be in the worker's environment
-        env["PYTORCH_CUDA_ALLOC_CONF"] = alloc_conf
+    if alloc_conf:
+        env.update(dict.fromkeys(ALLOC_CONF_VARS, alloc_conf))
     return env
 
 
@@ -53,11 +59,15 @@ def call_worker(request: dict, env: dict, timeout: float | None) -> dict:
         _, stderr = proc.communicate()
         return {"status": "timeout", "error": f"no result after {timeout} s; stderr tail: {stderr[-TAIL:]}"}
     lines = [line for line in stdout.splitlines() if line.startswith(ROW_PREFIX)]
-    if proc.returncode == 0 and lines:
-        return json.loads(lines[-1][len(ROW_PREFIX):])
+    how = f"killed by signal {-proc.returncode}" if proc.returncode < 0 else f"exit code {proc.returncode}"
+    if lines:
+        row = json.loads(lines[-1][len(ROW_PREFIX):])
+        if proc.returncode != 0:  # died after its row was out (e.g. CUDA teardown at exit): the figures stand
+            exit_note = f"worker {how} after printing its row; stderr tail: {stderr.strip()[-TAIL:]}"
+            row["notes"] = "; ".join(n for n in (row.get("notes"), exit_note) if n)
+        return row
     if proc.returncode == RAISED:
         return {"status": "error", "error": stderr.strip()[-TAIL:]}
-    how = f"killed by signal {-proc.returncode}" if proc.returncode < 0 else f"exit code {proc.returncode}"
     return {"status": "crash", "error": f"worker {how}; stderr tail: {stderr.strip()[-TAIL:]}"}
 
 
@@ -100,6 +110,8 @@ class Runner:
         if item.point.id in self.done:
             return self.done[item.point.id]
         outputs = {"status": "skipped", "error": item.skip} if item.skip else run_point(self.with_snapshot_file(item))
+        if interrupt.received():  # Ctrl-C struck inside the point and a library turned it into a failure
+            raise KeyboardInterrupt
         outputs.setdefault("backend", item.config["measure"]["backend"])
         if "ranks" in outputs:
             self.ranks.append(item.point.id, outputs.pop("ranks"))

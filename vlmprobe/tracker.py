@@ -38,6 +38,7 @@ class LiveBytesTracker(TorchDispatchMode):
         self.answer_fake_scalar_reads = answer_fake_scalar_reads
         self._seen: weakref.WeakSet = weakref.WeakSet()
         self._blocks: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # storage -> (handle, finalizer)
+        self._open = True  # storages that die after the measurement are not freed into the model
 
     @property
     def current(self) -> int:
@@ -55,7 +56,13 @@ class LiveBytesTracker(TorchDispatchMode):
     def _charge(self, storage) -> None:
         handle = self.allocator.malloc(storage.nbytes())
         self._seen.add(storage)
-        self._blocks[storage] = (handle, weakref.finalize(storage, self.allocator.free, handle))
+        finalizer = weakref.finalize(storage, self._free, handle)
+        finalizer.atexit = False  # nothing to free into at exit
+        self._blocks[storage] = (handle, finalizer)
+
+    def _free(self, handle: int) -> None:
+        if self._open:
+            self.allocator.free(handle)
 
     def _resized(self, storage) -> None:
         """A storage resized in place (FSDP2 frees an unsharded parameter with resize_(0) and allocates it
@@ -63,7 +70,7 @@ class LiveBytesTracker(TorchDispatchMode):
         one, so the model does the same."""
         handle, finalizer = self._blocks.pop(storage, (None, None))
         if finalizer is not None and finalizer.detach() is not None:
-            self.allocator.free(handle)
+            self._free(handle)
         if storage.nbytes():
             self._charge(storage)
 
@@ -79,6 +86,9 @@ class LiveBytesTracker(TorchDispatchMode):
         return super().__enter__()
 
     def __exit__(self, *exc):
+        # An interrupt can strike inside malloc/free and leave the model half-updated; the figures are read
+        # before this point, so later deaths (garbage collection, interpreter exit) must not touch it.
+        self._open = False
         torch.UntypedStorage.resize_ = self._storage_resize
         return super().__exit__(*exc)
 
@@ -128,7 +138,8 @@ _REQUEST = re.compile(r"Tried to allocate ([\d.]+) (bytes|KiB|MiB|GiB|TiB)")
 BYTE_UNITS = {"B": 1, "bytes": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40}  # 1024-based, as CUDA prints
 
 
-def requested_bytes(message: str) -> int | None:
-    """The allocation an out-of-memory message says failed (CUDA's and the tracker's wording), in bytes."""
+def segment_bytes_in_message(message: str) -> int | None:
+    """The allocation an out-of-memory message says failed (CUDA's and the tracker's wording), in bytes: the
+    segment the allocator tried to reserve, which CUDA prints formatted to 2 decimals."""
     match = _REQUEST.search(message)
     return round(float(match.group(1)) * BYTE_UNITS[match.group(2)]) if match else None

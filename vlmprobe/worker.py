@@ -30,6 +30,18 @@ def build_spec(model_cfg):
     return instantiate(model_cfg, _convert_="all")
 
 
+def is_out_of_memory(exc: BaseException) -> bool:
+    """Whether `exc` says the device ran out of memory. The caching allocator raises OutOfMemoryError; memory
+    taken outside it fails as a RuntimeError whose message says so: "CUDA error: out of memory" from a
+    driver call, CUBLAS_STATUS_ALLOC_FAILED / CUDNN_STATUS_ALLOC_FAILED when a library cannot get its
+    workspace. measure_vram.py matches "out of memory" in the message; the ALLOC_FAILED statuses are the
+    libraries' words for the same event."""
+    if isinstance(exc, torch.OutOfMemoryError):
+        return True
+    message = str(exc)
+    return isinstance(exc, RuntimeError) and ("out of memory" in message.lower() or "_ALLOC_FAILED" in message)
+
+
 def measure(point: dict) -> dict:
     """Outputs of one point (the sweep adds the inputs). `point` is the resolved config as plain data,
     with measure.backend already resolved to cuda, cpu or estimate."""
@@ -41,7 +53,7 @@ def measure(point: dict) -> dict:
     data = DataShape.from_config(point["data"])
     report = StepReport()
     out: dict = {"backend": backend.name, "status": "ok"}
-    with backend.session(point["measure"].get("device_memory")) as meter:
+    with backend.session(point["measure"].get("device_memory"), point["measure"]["record_history"]) as meter:
         try:
             engine = engines.make(point["dist"], backend.device())  # single GPU, DDP or sharded
             model = spec.build(engine.build_device, DTYPES[train["param_dtype"]], init=not engine.build_device_is_meta)
@@ -55,19 +67,20 @@ def measure(point: dict) -> dict:
             autocast = backend.autocast(DTYPES.get(train.get("autocast_dtype") or ""))
             train_steps(spec, engine, batch, meter, point["measure"]["steps"], autocast, report,
                         accum=train["grad_accum_steps"], hold_outputs=point["measure"]["hold_outputs"])
-        except torch.OutOfMemoryError as exc:
-            from vlmprobe.tracker import requested_bytes
-
+        except Exception as exc:
+            if not is_out_of_memory(exc):
+                raise
             message = str(exc)
-            out.update(status="oom", error=message.strip().splitlines()[0][:500],
-                       oom_request_bytes=requested_bytes(message))
+            out.update(status="oom", error=message.strip().splitlines()[0][:500], **backend.oom_columns(meter, message))
             report.peaks["allocated"] = max(report.peaks.get("allocated", 0), meter.peaks()["allocated"])
         out.update(_report_columns(report))
+        out["imposed_capacity_bytes"] = meter.capacity
         out.update(backend.final_stats(meter))
+        out["notes"] = "; ".join(meter.notes) or None
         path = point["measure"].get("snapshot_file")
         if path and (point["measure"]["snapshot"] or out["status"] == "oom"):
             Path(path).parent.mkdir(parents=True, exist_ok=True)
-            out["snapshot_file"] = path if backend.write_snapshot(path) else None
+            out["snapshot_file"] = path if backend.write_snapshot(meter, path) else None
     return out
 
 

@@ -20,22 +20,25 @@ NAMES = ("auto", "cuda", "cpu", "estimate")
 _MODULES = {"cuda": "vlmprobe.backends.cuda", "cpu": "vlmprobe.backends.cpu", "estimate": "vlmprobe.backends.estimate"}
 
 
-def gpu_available() -> bool:
-    from vlmprobe.backends.cuda import available
+def cuda_unusable_reason() -> str | None:
+    from vlmprobe.backends.cuda import unusable_reason
 
-    return available()
+    return unusable_reason()
 
 
 def resolve(name: str) -> tuple[str, str | None]:
     """(backend to use, a line to tell the user or None). Raises ConfigError for a name not allowed."""
     if name not in NAMES:
         raise ConfigError(f"measure.backend={name!r} is not allowed: use one of {', '.join(NAMES)}")
+    if name not in ("auto", "cuda"):
+        return name, None
+    reason = cuda_unusable_reason()
     if name == "auto":
-        if gpu_available():
+        if reason is None:
             return "cuda", None
-        return "estimate", "No CUDA GPU found: estimating with the 'estimate' backend (fake tensors, no GPU)."
-    if name == "cuda" and not gpu_available():
-        raise ConfigError("measure.backend=cuda is not allowed here: no CUDA GPU is visible (use auto, cpu or estimate)")
+        return "estimate", f"No CUDA GPU found: estimating with the 'estimate' backend (fake tensors, no GPU); {reason}."
+    if reason is not None:
+        raise ConfigError(f"measure.backend=cuda is not allowed here: {reason}; use auto, cpu or estimate")
     return name, None
 
 

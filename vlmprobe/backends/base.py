@@ -7,6 +7,8 @@ import contextlib
 
 import torch
 
+from vlmprobe.tracker import segment_bytes_in_message
+
 
 class Backend(abc.ABC):
     name: str
@@ -14,9 +16,11 @@ class Backend(abc.ABC):
     isolate: bool  # whether each point must run in a fresh process (device allocator state leaks otherwise)
 
     @abc.abstractmethod
-    def session(self, capacity: int | None) -> contextlib.AbstractContextManager:
-        """Context for one point (build, batch, steps); yields the Meter. `capacity`: simulated device bytes
-        for backends without a device (an allocation past it raises OutOfMemoryError), ignored by cuda."""
+    def session(self, capacity: int | None, record_history: str = "alloc") -> contextlib.AbstractContextManager:
+        """Context for one point (build, batch, steps); yields the Meter, whose `capacity` says what was
+        imposed. `capacity`: device bytes the point may use (an allocation past it raises OutOfMemoryError):
+        the allocator model's capacity without a device, the caching allocator's limit on cuda.
+        `record_history`: measure.record_history (off | alloc | all), for backends with allocation history."""
 
     def device(self) -> torch.device:
         return torch.device(self.device_type)
@@ -29,9 +33,15 @@ class Backend(abc.ABC):
     def select_device(self, local_rank: int) -> None:
         """Make this process's device the one of `local_rank` (one rank of a launched job); before session()."""
 
-    def write_snapshot(self, path) -> bool:
+    def write_snapshot(self, meter, path) -> bool:
         """Write an allocator snapshot (history of every allocation) to `path`; False where there is none."""
         return False
+
+    def oom_columns(self, meter, message: str) -> dict:
+        """What an out-of-memory asked for: `oom_segment_bytes`, the segment the allocator tried to reserve
+        (the size CUDA's message prints), and `oom_block_bytes`, the block it was asked for (the tensor's
+        bytes rounded up to 512)."""
+        return {"oom_segment_bytes": segment_bytes_in_message(message), "oom_block_bytes": None}
 
     def final_stats(self, meter) -> dict:
         """Columns only this backend knows (reserved, NVML, allocator counters); read after the steps."""

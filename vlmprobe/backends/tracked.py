@@ -18,8 +18,10 @@ from vlmprobe.tracker import LiveBytesTracker
 
 
 class TrackerMeter:
-    def __init__(self, tracker: LiveBytesTracker):
+    def __init__(self, tracker: LiveBytesTracker, capacity: int | None):
         self.tracker = tracker
+        self.capacity = capacity  # the allocator model's device capacity, or None (unbounded)
+        self.notes: list[str] = []
 
     def sync(self) -> None:
         """CPU ops are synchronous: nothing is queued."""
@@ -72,7 +74,7 @@ class TrackedBackend(Backend):
         self.fake = fake
 
     @contextlib.contextmanager
-    def session(self, capacity):
+    def session(self, capacity, record_history: str = "alloc"):
         with contextlib.ExitStack() as stack:
             stack.enter_context(cuda_autocast_policy())
             stack.enter_context(cuda_sdpa_choice())
@@ -83,7 +85,11 @@ class TrackedBackend(Backend):
                 stack.enter_context(FakeTensorMode(allow_non_fake_inputs=True))
                 stack.enter_context(real_run_answers_for_fake_batches())
             tracker = stack.enter_context(LiveBytesTracker(capacity, answer_fake_scalar_reads=self.fake))
-            yield TrackerMeter(tracker)
+            yield TrackerMeter(tracker, capacity)
+
+    def oom_columns(self, meter, message: str) -> dict:
+        block, segment = meter.tracker.allocator.last_oom or (None, None)
+        return {"oom_segment_bytes": segment, "oom_block_bytes": block}
 
     def describe(self) -> dict:
         return {"backend": self.name, "device_name": f"{platform.machine()} CPU ({'fake' if self.fake else 'real'} tensors)"}

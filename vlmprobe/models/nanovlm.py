@@ -8,8 +8,8 @@ What matters for memory, and is reproduced here (behaviour, written independentl
 - Projector: pixel shuffle (view, 6-d reshape, permute + contiguous copy, reshape), Linear without bias.
 - LM: RMSNorm without dtype casts (fp32 residual stream); RoPE recomputed every call for the batch's
   position ids (B, L, head_dim) in fp32; K and V expanded to all heads with repeat_interleave before SDPA;
-  an additive fp32 (B, 1, 1, L) padding mask passed with is_causal=True (CUDA runs the memory-efficient
-  kernel); SiLU-gated MLP; final RMSNorm; head tied to the token embedding.
+  an additive (B, 1, 1, L) padding mask passed with is_causal=True (CUDA runs the memory-efficient
+  kernel), in the residual stream's dtype (fp32 in fp32 + autocast training, as nanoVLM's); SiLU-gated MLP; final RMSNorm; head tied to the token embedding.
 - The image features replace the first n_image_tokens positions (nanoVLM writes them over the image
   placeholders; a fixed slice keeps shapes static for fake tensors); the head runs over every position and
   the loss is cross-entropy with ignore_index -100 over all of them.
@@ -159,8 +159,12 @@ class LM(nn.Module):
     def forward(self, embeds, attention_mask):
         b, s, _ = embeds.shape
         cos, sin = self.rope(b, s, embeds.device)
-        # additive padding mask, fp32 (B, 1, 1, L): 0 where attended, the bf16 minimum where padded
-        mask = (1.0 - attention_mask.float())[:, None, None, :] * torch.finfo(torch.bfloat16).min
+        # additive padding mask (B, 1, 1, L): 0 where attended, the dtype's minimum where padded. Built in
+        # the residual stream's dtype, which is the query's where no autocast casts it: CUDA's
+        # memory-efficient kernel refuses a bias of another dtype ("invalid dtype for bias"), as pure bf16
+        # training would meet with an fp32 mask. Under autocast SDPA gets both cast to the autocast dtype.
+        dtype = embeds.dtype
+        mask = (1.0 - attention_mask.to(dtype))[:, None, None, :] * torch.finfo(dtype).min
         x = embeds
         for block in self.blocks:
             x = block(x, cos, sin, mask)

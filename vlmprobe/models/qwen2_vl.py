@@ -156,7 +156,20 @@ class Qwen2VLSpec(ModelSpec):
     def grid(self, data: DataShape) -> tuple[int, int]:
         """(rows, cols) of 14 px patches of one resized image."""
         size = self.image_size(data)
-        height, width = smart_resize(size, size, self.factor, *self.pixel_bounds(data))
+        if size < self.factor:
+            # Qwen2VLImageProcessor's smart_resize refused a side below `factor` ("height:.. or width:.. must
+            # be larger than factor:28", transformers 4.45-4.52). 4.53 and later (the 5.x admitted here) drop
+            # the check and upsample such an image to min_pixels, so a row for it would describe an image
+            # the model never sees at that size.
+            raise ConfigError(f"data.image_size={size} is not allowed for {self.name}: a side must be at least "
+                              f"{self.factor} px, one {self.vision['patch_size']} px patch x merge "
+                              f"{self.vision['spatial_merge_size']} (Qwen2VLImageProcessor's smart_resize: \"must be "
+                              f"larger than factor:{self.factor}\"; transformers >= 4.53 upsamples it instead)")
+        try:
+            height, width = smart_resize(size, size, self.factor, *self.pixel_bounds(data))
+        except ValueError as exc:  # the processor's own refusal (aspect ratio above 200)
+            raise ConfigError(f"data.image_size={size} is not allowed for {self.name}: Qwen2VLImageProcessor's "
+                              f"smart_resize refuses it: {exc}") from None
         patch = self.vision["patch_size"]
         return height // patch, width // patch
 

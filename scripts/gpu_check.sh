@@ -1,0 +1,79 @@
+#!/usr/bin/env bash
+# Everything CUDA-related in this repository, checked on one GPU, into one directory to commit:
+#   results/gpu_check/<device>/<UTC stamp>/   (VLMPROBE_GPU_CHECK_DIR overrides it)
+# Steps (a failed step does not stop the later ones; the exit status is non-zero if any failed):
+#   1. cuda_tests       python -m pytest -m cuda (tests/test_cuda.py)
+#   2. nightly          scripts/nightly.sh on cuda: the seq_len and Qwen2-VL-2B image-size sweeps, the
+#                       nanoVLM finding check, the regression gate where a baseline exists
+#   3. estimate_vs_cuda scripts/check_estimate.py --cuda-dir on both sweeps: estimate vs measurement per point
+#   4. finding          python -m vlmprobe.check on the measured seq_len sweep (also in 2; here with its table)
+#   5. recording_cost   one seq_len point with measure.record_history=off|alloc|all: what history costs in
+#                       step_time_s (device figures must not change)
+#   6. baseline         the first baseline of this device (results/baseline/<device>/<sweep>/) when none exists
+# Needs nothing but the installed project (pip install -e ".[test]") and a CUDA GPU; about 10 minutes on an H100.
+# On a machine reached through a tool that returns few files, pack the directory: tar czf out.tgz -C DIR .
+set -uo pipefail
+cd "$(dirname "$0")/.."
+
+python scripts/cuda_usable.py || exit 1
+DEVICE=$(python -c 'import torch; from vlmprobe.compare import device_slug; print(device_slug(torch.cuda.get_device_name(0)))')
+OUT=${VLMPROBE_GPU_CHECK_DIR:-results/gpu_check/$DEVICE/$(date -u +%Y%m%d-%H%M%S)}
+mkdir -p "$OUT"
+STATUS=()
+
+# step NAME COMMAND...: run it with its output in OUT/NAME.log, and remember how it ended
+step() {
+  local name=$1 started rc
+  shift
+  echo "gpu_check: $name ..." >&2
+  started=$(date +%s)
+  "$@" >"$OUT/$name.log" 2>&1
+  rc=$?
+  STATUS+=("| $name | $([ $rc -eq 0 ] && echo ok || echo "FAILED (exit $rc)") | $(( $(date +%s) - started )) s | [$name.log]($name.log) |")
+  echo "gpu_check: $name: exit $rc" >&2
+  return $rc
+}
+
+newest() { LC_ALL=C ls -d "$1"/*/ 2>/dev/null | tail -n 1 | sed 's:/$::'; }
+
+step cuda_tests python -m pytest -q -m cuda -p no:cacheprovider
+step nightly env VLMPROBE_BACKEND=cuda VLMPROBE_RESULTS="$OUT/nightly" scripts/nightly.sh
+SEQ_LEN=$(newest "$OUT/nightly/seq_len")
+IMAGE_SIZE=$(newest "$OUT/nightly/qwen2_vl_image_size")
+CUDA_DIRS=()
+for dir in "$SEQ_LEN" "$IMAGE_SIZE"; do
+  [ -n "$dir" ] && CUDA_DIRS+=(--cuda-dir "$dir")
+done
+step estimate_vs_cuda python scripts/check_estimate.py --parts cuda "${CUDA_DIRS[@]}"
+[ -n "$SEQ_LEN" ] && step finding python -m vlmprobe.check "$SEQ_LEN"
+step recording_cost python -m vlmprobe +sweep=seq_len measure.backend=cuda "results_dir=$OUT/recording_cost" \
+  "sweep.axes.data.batch_size=[8]" "sweep.axes.data.lm_max_length=[512]" \
+  "+sweep.axes.measure.record_history=[off,alloc,all]"
+
+baseline() {
+  local dir target
+  for dir in "$SEQ_LEN" "$IMAGE_SIZE"; do
+    [ -n "$dir" ] || continue
+    target=$(python -c 'import sys; from vlmprobe.compare import baseline_path; print(baseline_path(*sys.argv[1:]))' results/baseline "$dir")
+    if [ -f "$target/results.csv" ]; then
+      echo "baseline exists: $target"
+    else
+      mkdir -p "$target" && cp -r "$dir/." "$target/" && echo "baseline written: $target (from $dir)"
+    fi
+  done
+}
+step baseline baseline
+
+{
+  echo "# vlmprobe GPU check: $(python scripts/cuda_usable.py 2>&1)"
+  echo
+  echo "Started from commit $(git rev-parse HEAD 2>/dev/null)$(git diff --quiet HEAD 2>/dev/null || echo ' (dirty)'), $(date -u +%FT%TZ). Every figure here is a CUDA measurement on this device unless a table says estimate."
+  echo
+  echo "| step | result | time | log |"
+  echo "|---|---|---|---|"
+  printf '%s\n' "${STATUS[@]}"
+} >"$OUT/summary.md"
+echo "gpu_check: wrote $OUT (summary.md); commit it with the baseline dirs it names" >&2
+if printf '%s\n' "${STATUS[@]}" | grep -q FAILED; then
+  exit 1
+fi

@@ -1,0 +1,138 @@
+"""Every bad input of issue 9 is one line naming the value and what is allowed (exit 2), before any point
+runs and before anything is written; an internal failure is one line and a log file. In-process through
+vlmprobe.__main__.main (the CLI's own entry); test_cli.py runs a few of the same through a subprocess."""
+
+import re
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+from vlmprobe.__main__ import check_resume, main
+
+
+@pytest.fixture
+def cli(tmp_path, monkeypatch, capsys):
+    """cli(args) -> (exit code, stderr lines) of `python -m vlmprobe ARGS results_dir=<tmp>/r`, in-process."""
+    monkeypatch.chdir(tmp_path)
+
+    def _run(args):
+        code = main([*args, f"results_dir={tmp_path / 'r'}"])
+        return code, capsys.readouterr().err.strip().splitlines()
+
+    return _run
+
+
+ISSUE_9 = {
+    "negative lr": (["model=nanovlm_tiny", "optimizer.lr=-1"],
+                    "optimizer.lr=-1 is not allowed: torch.optim.AdamW refuses it: Invalid learning rate: -1"),
+    "betas not a key of the option": (["model=nanovlm_tiny", "optimizer.betas=[2,3]"],
+                                      "optimizer.betas=[2,3] is not allowed: optimizer has no key 'betas' (keys there: "
+                                      "foreach, fused, lr); to pass it to torch.optim.AdamW, add it: +optimizer.betas=[2,3]"),
+    "betas torch refuses": (["model=nanovlm_tiny", "+optimizer.betas=[2,3]"],
+                            "is not allowed: torch.optim.AdamW refuses it: Invalid beta parameter at index 0: 2"),
+    "unknown top-level key": (["model=nanovlm_tiny", "nosuchkey=1"],
+                              "nosuchkey=1 is not allowed: 'nosuchkey' is not a config key (keys there: data, "),
+    "unknown data key": (["model=nanovlm_tiny", "data.nosuch=1"],
+                         "data.nosuch=1 is not allowed: data has no key 'nosuch' (keys there: batch_size, "),
+    "axis without a sweep": (["model=nanovlm_tiny", "sweep.axes.data.batch_size=[1,2]"],
+                             "sweep.axes.data.batch_size=[1,2] is not allowed: data.batch_size is not an axis of this "
+                             "sweep; add it as a new axis with +sweep.axes.data.batch_size=[1,2]"),
+    "negative timeout": (["model=nanovlm_tiny", "measure.timeout_s=-1"],
+                         "measure.timeout_s=-1 is not allowed: give seconds > 0, or null for no limit"),
+    "Qwen image below 28 px": (["model=qwen2_vl_2b", "data.image_size=3"],
+                               "data.image_size=3 is not allowed for qwen2_vl_2b: a side must be at least 28 px"),
+    "LoRA alpha peft cannot use": (["model=nanovlm_tiny", "train.lora_r=4", "train.lora_alpha=x"],
+                                   "train.lora_alpha='x', train.lora_dropout=0.0, train.lora_target_modules=['q_proj', "
+                                   "'k_proj', 'v_proj', 'o_proj'] is not allowed: peft"),
+    "model hyperparameter its constructor refuses": (["model=nanovlm_tiny", "model.text.hidden_size=-8"],
+                                                     "model=nanovlm_tiny with its settings is not allowed: NanoVLMSpec"),
+    "an axis value that is not a group option": (["+sweep=smoke", "+sweep.axes.model=[nanovlm_tiny,nope]"],
+                                                 "model='nope' is not allowed: use one of nanovlm_222m"),
+    "a flag": (["--cfg", "job"], "--cfg is not allowed: vlmprobe takes only overrides"),
+    "unparsable": (["data.batch_size=[1,"], "data.batch_size=[1, is not allowed: Hydra cannot parse it"),
+    "removing a key vlmprobe reads": (["~data"], "~data is not allowed: vlmprobe reads every config key"),
+    "adding a key that exists": (["+data.batch_size=2"], "+data.batch_size=2 is not allowed: data.batch_size is "
+                                                          "already a config key; set it without the +: data.batch_size=2"),
+    "dry_run not a bool": (["dry_run=maybe"], "dry_run='maybe' is not allowed: use true or false"),
+    "max_points not positive": (["sweep.max_points=0"], "sweep.max_points=0 is not allowed: it must be a positive integer"),
+    "alloc_conf not text": (["measure.alloc_conf=[1]"], "measure.alloc_conf=[1] is not allowed"),
+    "resume of no dir": (["resume=/nonexistent/dir"], "resume=/nonexistent/dir is not allowed: it is not a directory"),
+}
+
+
+@pytest.mark.parametrize("case", ISSUE_9)
+def test_bad_input_is_one_line_naming_the_value_and_nothing_is_written(cli, tmp_path, case):
+    args, message = ISSUE_9[case]
+    code, lines = cli(args)
+    assert code == 2
+    assert len(lines) == 1 and lines[0].startswith("vlmprobe: ") and message in lines[0], lines
+    assert not (tmp_path / "r").exists()
+
+
+def test_results_dir_that_is_a_file_is_refused(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    target = tmp_path / "taken"
+    target.write_text("x")
+    assert main(["model=nanovlm_tiny", f"results_dir={target}"]) == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert line == (f"vlmprobe: results_dir={target} is not allowed: {target} is a file, not a directory; give a "
+                    f"directory (it is made if missing)")
+    assert target.read_text() == "x" and sorted(p.name for p in tmp_path.iterdir()) == ["taken"]
+
+
+def test_a_grid_above_max_points_is_refused_with_its_size_and_time(cli, tmp_path):
+    code, lines = cli(["+sweep=smoke", "sweep.max_points=3", "measure.steps=1", "measure.backend=estimate"])
+    assert code == 2 and len(lines) == 2
+    assert lines[0] == "vlmprobe: this sweep has 4 points, more than sweep.max_points=3: timing one point to say how long they would take"
+    assert lines[1].startswith("vlmprobe: this sweep has 4 points, more than sweep.max_points=3: raise it "
+                               "(sweep.max_points=4) to run them; one point took ")
+    assert re.search(r"one point took \d+\.\d s here, so all would take about \d+ s$", lines[1]), lines[1]
+    assert not (tmp_path / "r").exists()
+    code, lines = cli(["+sweep=smoke", "sweep.max_points=4", "dry_run=true"])  # at the limit: allowed
+    assert code == 0 and lines[-1].startswith("vlmprobe: dry run: 4 points planned and valid")
+
+
+def test_an_internal_error_is_one_line_and_a_log_with_the_traceback(cli, monkeypatch):
+    import vlmprobe.plan
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("planner broke\nsecond line")
+
+    monkeypatch.setattr(vlmprobe.plan, "plan", broken)
+    code, lines = cli(["model=nanovlm_tiny"])
+    assert code == 1 and len(lines) == 1
+    assert lines[0].startswith("vlmprobe: internal error, not a problem with your input (RuntimeError: planner broke); "
+                               "the traceback is in ")
+    log = Path(lines[0].rsplit(" ", 1)[1])
+    text = log.read_text()
+    log.unlink()
+    assert "Traceback (most recent call last)" in text and "planner broke" in text
+
+
+def test_null_and_text_axis_values_get_every_table_and_the_plot(cli, tmp_path):
+    code, lines = cli(["model=nanovlm_tiny", "measure.steps=1",
+                       '+sweep.axes.measure.alloc_conf=[null,"expandable_segments:True"]'])
+    assert code == 0, lines
+    (out,) = (tmp_path / "r" / "single").iterdir()
+    for name in ("results.csv", "results.parquet", "summary.md", "plot.png"):
+        assert (out / name).stat().st_size > 0, name
+    assert len(pd.read_parquet(out / "results.parquet")) == 2
+    summary = (out / "summary.md").read_text()
+    assert "| null " in summary and "| expandable_segments:True " in summary
+
+
+def test_resume_compares_only_what_decides_the_rows(tmp_path):
+    from omegaconf import OmegaConf
+
+    from vlmprobe.errors import ConfigError
+
+    saved = {"results_dir": "results", "dry_run": False, "memory_budget": None,
+             "sweep": {"name": "smoke", "axes": {"data": {"batch_size": [1, 2]}}, "max_points": 1000},
+             "data": {"batch_size": 1}}
+    (tmp_path / "config.yaml").write_text(OmegaConf.to_yaml(saved))
+    now = {**saved, "results_dir": "elsewhere", "resume": str(tmp_path),
+           "sweep": {**saved["sweep"], "max_points": 5000}}
+    check_resume(tmp_path, now)  # where the rows go and how many points are allowed decide no row
+    with pytest.raises(ConfigError, match=r"differs in: data.batch_size, sweep.axes.data.batch_size\)"):
+        check_resume(tmp_path, {**now, "data": {"batch_size": 2}, "sweep": {**now["sweep"], "axes": {"data": {"batch_size": [1]}}}})

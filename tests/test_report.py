@@ -1,0 +1,80 @@
+"""The report never stops at a value: summary.md, results.parquet and plot.png are written for any rows,
+whatever the swept columns hold (null, numbers, text, lists, a mix) and however the points ended."""
+
+import json
+import tempfile
+from pathlib import Path
+
+import pandas as pd
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from vlmprobe import report
+from vlmprobe.report import write_reports
+from vlmprobe.results import RowWriter, axis_column, columns_for
+
+AXES = ["data.batch_size", "measure.alloc_conf", "train.autocast_dtype", "model.text.hidden_size",
+        "train.lora_target_modules"]
+STATUSES = ["ok", "oom", "error", "timeout", "crash", "skipped"]
+
+values = st.one_of(
+    st.none(), st.integers(-5, 10**12), st.floats(allow_nan=False, allow_infinity=False, width=32), st.booleans(),
+    st.text("abcXYZ019 :_-/.,=[]{}'\"é|", max_size=12),  # text, with what a table or a label could trip on
+    st.lists(st.text("abcq_", max_size=4), max_size=3).map(json.dumps),  # a list value lands as JSON text
+)
+
+
+@st.composite
+def tables(draw):
+    axes = draw(st.lists(st.sampled_from(AXES), min_size=0, max_size=3, unique=True))
+    if draw(st.booleans()):
+        axes = ["case", *axes]
+    rows = []
+    for i in range(draw(st.integers(0, 6))):
+        status = draw(st.sampled_from(STATUSES))
+        peak = draw(st.none() | st.integers(0, 2**40)) if status != "ok" else draw(st.integers(0, 2**40))
+        row = {"sweep": "prop", "point_id": f"p{i}", "model": "nanovlm_tiny", "batch_size": 1,
+               "backend": "estimate", "status": status, "peak_allocated_bytes": peak,
+               "error": draw(st.sampled_from([None, "", "boom", "Traceback\n  x\nValueError: bad"]))}
+        row.update({axis_column(a): draw(values) for a in axes if axis_column(a) != "batch_size"})
+        if "data.batch_size" in axes:
+            row["batch_size"] = draw(st.integers(1, 64))
+        rows.append(row)
+    return axes, rows
+
+
+def write_rows(out: Path, axes: list[str], rows: list[dict]) -> None:
+    writer = RowWriter(out / "results.csv", columns_for([a for a in axes if a != "case"]))
+    for row in rows:
+        writer.append(row)
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(tables())
+def test_every_table_the_rows_allow_is_written_whatever_the_axes_hold(drawn):
+    axes, rows = drawn
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp)
+        write_rows(out, axes, rows)
+        table, failures = write_reports(out, axes, {})
+        assert failures == []
+        assert len(table) == len(rows)
+        assert len(pd.read_parquet(out / "results.parquet")) == len(rows)
+        summary = (out / "summary.md").read_text()
+        assert all(f"| p{i} " in summary for i in range(len(rows)))  # every point listed
+        assert (out / "plot.png").exists() == bool(rows)
+
+
+def test_a_report_that_fails_costs_only_itself(tmp_path, monkeypatch):
+    write_rows(tmp_path, ["data.batch_size"], [{"sweep": "s", "point_id": "p0", "model": "m", "batch_size": 1,
+                                                "backend": "estimate", "status": "ok", "peak_allocated_bytes": 2**20}])
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("no plot today")
+
+    monkeypatch.setattr(report, "plot", broken)
+    table, failures = write_reports(tmp_path, ["data.batch_size"], {})
+    assert len(table) == 1 and (tmp_path / "summary.md").exists() and (tmp_path / "results.parquet").exists()
+    (failure,) = failures
+    assert failure.startswith("plot.png could not be written (RuntimeError: no plot today); traceback in ")
+    assert "Traceback" in (tmp_path / "vlmprobe-error.log").read_text()
