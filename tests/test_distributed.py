@@ -19,7 +19,7 @@ from vlmprobe.worker import measure
 
 BYTES = [c for c in RANK_VALUE_COLUMNS if c.endswith("_bytes") and c not in (
     "peak_reserved_bytes", "last_step_peak_reserved_bytes", "peak_active_bytes", "nvml_used_bytes",
-    "nvml_process_bytes", "oom_request_bytes")]
+    "nvml_process_bytes")]
 TINY = ["data.batch_size=2", "data.lm_max_length=64"]
 
 
@@ -30,7 +30,7 @@ def run_dist(point):
 
 
 def by_rank(outputs):
-    return {r["rank"]: {k: r[k] for k in BYTES} for r in outputs["ranks"]}
+    return {r["rank"]: {k: r.get(k) for k in BYTES} for r in outputs["ranks"]}
 
 
 def compare_estimate_and_cpu(run_dist, model, world):
@@ -66,7 +66,7 @@ def real_local_shapes(point_cfg, rank, world):
     model = spec.build(torch.device("meta"), torch.float32, init=False)
     apply_knobs(spec, model, point_cfg["train"])
     with fake_group(rank, world):
-        engine = FSDP2Engine(point_cfg["dist"], torch.device("meta"))  # materialises on meta: shapes only
+        engine = FSDP2Engine(point_cfg, torch.device("meta"))  # materialises on meta: shapes only
         engine.wrap(spec, model)
         return [tuple(engine.local(p).shape) for p in model.parameters()]
 
@@ -142,11 +142,16 @@ def test_ddp_ranks_hold_the_model_and_a_bucket_copy_of_its_grads(run_dist, point
     assert ddp["after_load_bytes"] - single["after_load_bytes"] >= single["params_bytes"]
 
 
-def test_zero_points_are_skipped_saying_how_to_get_deepspeed(plan_points, monkeypatch):
-    (planned,) = plan_points(["model=nanovlm_tiny", *TINY, "dist=zero3", "measure.backend=estimate"])
-    assert "DeepSpeed" in planned.skip
+def test_zero_points_are_skipped_saying_how_to_get_deepspeed_where_it_is_missing(plan_points, monkeypatch):
     monkeypatch.setattr(options.importlib.util, "find_spec", lambda name: None)
-    assert 'pip install -e ".[deepspeed]"' in options.skip_reason(planned.config["dist"], "estimate")
+    (planned,) = plan_points(["model=nanovlm_tiny", *TINY, "dist=zero3", "measure.backend=estimate"])
+    assert planned.skip == 'dist=zero3 needs DeepSpeed, not installed here: pip install -e ".[deepspeed]"'
+
+
+def test_offload_is_skipped_where_host_and_device_memory_are_one(plan_points):
+    (planned,) = plan_points(["model=nanovlm_tiny", *TINY, "dist=zero3", "dist.offload_optimizer=cpu",
+                              "measure.backend=estimate"])
+    assert planned.skip.startswith("dist.offload_optimizer=cpu needs backend cuda")
 
 
 def test_world_size_and_the_dist_group_are_sweep_axes(plan_points):

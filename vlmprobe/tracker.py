@@ -99,10 +99,14 @@ class LiveBytesTracker(TorchDispatchMode):
         except DataDependentOutputException:
             if not (self.answer_fake_scalar_reads and func is torch.ops.aten._local_scalar_dense.default):
                 raise
-            # `.item()` of a fake tensor has no value. Code that reaches here computes with the number
-            # (Adafactor's step size); it allocates the same whatever the number, so 1 stands in for it.
-            # transformers does not get here: it skips data checks for fake tensors.
-            return True if args[0].dtype == torch.bool else 1
+            # `.item()` of a fake tensor has no value; it is answered as a healthy step reads it. A number is
+            # computed with (Adafactor's step size, a norm): it allocates the same whatever it is, so 1.0. A flag
+            # is an overflow / invalid-norm check (DeepSpeed's has_overflow reads a uint8): 0 / False, "none",
+            # or DeepSpeed would skip the update and what it allocates. transformers does not get here: it
+            # skips data checks for fake tensors.
+            if args[0].dtype.is_floating_point:
+                return 1.0
+            return False if args[0].dtype == torch.bool else 0
         if func in _FROM_PYTHON_DATA:
             return out
         inputs = None

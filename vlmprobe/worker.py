@@ -55,7 +55,7 @@ def measure(point: dict) -> dict:
     out: dict = {"backend": backend.name, "status": "ok"}
     with backend.session(point["measure"].get("device_memory"), point["measure"]["record_history"]) as meter:
         try:
-            engine = engines.make(point["dist"], backend.device())  # single GPU, DDP or sharded
+            engine = engines.make(point, backend.device())  # single GPU, DDP or sharded
             model = spec.build(engine.build_device, DTYPES[train["param_dtype"]], init=not engine.build_device_is_meta)
             apply_knobs(spec, model, train)
             model.train()

@@ -35,8 +35,8 @@ class Engine:
 
     build_device_is_meta = False  # build on the meta device and let prepare() materialise the (sharded) model
 
-    def __init__(self, dist: dict, device: torch.device):
-        self.dist, self.device = dist, device
+    def __init__(self, point: dict, device: torch.device):
+        self.point, self.dist, self.device = point, point["dist"], device
         self.model: nn.Module | None = None
         self.optimizer: torch.optim.Optimizer | None = None
 
@@ -142,6 +142,12 @@ class FSDP2Engine(Engine):
 NAMES = {"none": Engine, "ddp": DDPEngine, "fsdp2": FSDP2Engine}
 
 
-def make(dist: dict, device: torch.device) -> Engine:
-    return NAMES[dist["name"]](dist, device)
+def make(point: dict, device: torch.device) -> Engine:
+    """The engine of a point's `dist.name` (DeepSpeed's imported only for its points: an optional extra)."""
+    name = point["dist"]["name"]
+    if name.startswith("zero"):
+        from vlmprobe.distributed.deepspeed_engine import DeepSpeedEngine
+
+        return DeepSpeedEngine(point, device)
+    return NAMES[name](point, device)
 

@@ -85,14 +85,13 @@ def read_deepspeed_config(path) -> dict:
 def skip_reason(dist: dict, backend: str) -> str | None:
     """Why a point's engine cannot run on `backend` here; its row is `skipped` with this reason."""
     name = dist["name"]
-    if name.startswith("zero"):
-        if importlib.util.find_spec("deepspeed") is None:
-            return f"dist={name} needs DeepSpeed, not installed here: pip install -e \".[deepspeed]\""
-        return f"dist={name}: DeepSpeed engine not implemented yet"
+    if name.startswith("zero") and importlib.util.find_spec("deepspeed") is None:
+        return f"dist={name} needs DeepSpeed, not installed here: pip install -e \".[deepspeed]\""
     if name == "ddp" and backend == "estimate":
         return ("dist=ddp cannot be estimated: DDP's C++ reducer reads tensor data, which fake tensors have none "
                 "of; use backend cpu (real tensors on gloo) or cuda")
-    if name == "fsdp2" and dist["offload_param"] == "cpu" and backend != "cuda":
-        return ("dist.offload_param=cpu needs backend cuda: where the device is the CPU, offloaded tensors cannot "
-                "be told apart from device memory")
+    offload = [k for k in ("offload_optimizer", "offload_param") if dist.get(k, "none") != "none"]
+    if offload and backend != "cuda":
+        return (f"dist.{offload[0]}=cpu needs backend cuda: where the device is the CPU, offloaded tensors cannot "
+                f"be told apart from device memory")
     return None

@@ -41,12 +41,19 @@ def _with_mesh(device_type: str):
 
 
 @contextlib.contextmanager
-def fake_group(rank: int, world_size: int, device_type: str = "cpu"):
+def fake_group(rank: int, world_size: int, device_type: str = "cpu", ranks_per_node: int = 8):
+    import os
+    from unittest import mock
+
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
-    with _with_mesh(device_type) as this_rank:
-        yield this_rank
+    # what a launcher gives a rank's environment; DeepSpeed reads it (runtime/zero/utils.py reads LOCAL_RANK)
+    environment = {"RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank % ranks_per_node),
+                   "LOCAL_WORLD_SIZE": str(min(ranks_per_node, world_size))}
+    with mock.patch.dict(os.environ, environment):
+        dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+        with _with_mesh(device_type) as this_rank:
+            yield this_rank
 
 
 @contextlib.contextmanager

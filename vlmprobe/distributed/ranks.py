@@ -5,7 +5,8 @@ group of such ranks and gives its figures to every rank of the group. Under FSDP
 shards: dim 0 of every parameter split with torch.chunk (FSDP2's Shard(0)); the all-gather and reduce-
 scatter buffers are padded to the largest chunk on every rank, while the optimizer state follows the
 unpadded local shard, so uneven shards make ranks differ. DDP ranks all hold the whole model. The data
-is the same synthetic batch on every rank. (DeepSpeed's rank-0 extras will add their own groups.)
+is the same synthetic batch on every rank. DeepSpeed ZeRO-3 cuts every parameter into equal padded pieces
+(one group); ZeRO-1/2 cut one flat buffer, so each rank holds other parameters' pieces (a group each).
 """
 
 from __future__ import annotations
@@ -50,7 +51,11 @@ def rank_groups(config: dict) -> list[list[int]]:
     """Ranks grouped by identical shapes, each group in rank order; the first rank of a group stands for it."""
     dist = config["dist"]
     world = dist["world_size"]
-    if dist["name"] != "fsdp2":
+    if dist["name"] in ("zero1", "zero2"):
+        # one flat buffer cut into equal partitions: which parameters (and so which gradient temporaries of the
+        # step) fall in a rank's partition differs from rank to rank, so each rank gets its own simulation
+        return [[rank] for rank in range(world)]
+    if dist["name"] != "fsdp2":  # ddp: whole model; zero3: every parameter cut into equal, padded pieces
         return [list(range(world))]
     shapes = parameter_shapes(config)
     groups: dict[tuple, list[int]] = {}
@@ -60,21 +65,51 @@ def rank_groups(config: dict) -> list[list[int]]:
 
 
 def simulate(config: dict, measure) -> dict[int, dict]:
-    """Rank rows from one simulation per group of identical ranks on a fake process group (in this process);
-    `measure(config)` is the worker's single-rank measurement."""
-    from vlmprobe.distributed.process_group import fake_group
-
+    """Rank rows from one simulation per group of identical ranks on a fake process group; `measure(config)`
+    is the worker's single-rank measurement. DeepSpeed keeps the process groups of its first initialize in
+    module globals (deepspeed.utils.groups, deepspeed.comm's backend), which a later fake group cannot
+    replace: each DeepSpeed rank is simulated in a fresh process; the torch engines run in this one."""
     rows = {}
+    fresh = config["dist"]["name"].startswith("zero")
     for group in rank_groups(config):
-        try:
-            with fake_group(group[0], config["dist"]["world_size"], "cpu"):  # fake tensors are CPU tensors
-                row = measure(config)
-        except Exception as exc:
-            tail = "".join(traceback.format_exception_only(exc)).strip()
-            row = {"status": "error", "error": f"{tail}\n{traceback.format_exc()[-TAIL:]}"}
+        row = simulate_elsewhere(config, group[0]) if fresh else simulate_rank(config, group[0], measure)
         for rank in group:
             rows[rank] = {**row, "simulated_as": group[0]}
     return rows
+
+
+def simulate_rank(config: dict, rank: int, measure) -> dict:
+    """Rank `rank`'s row, simulated in this process on a fake group; a failure is an `error` row."""
+    from vlmprobe.distributed.process_group import fake_group
+
+    try:
+        with fake_group(rank, config["dist"]["world_size"], "cpu", config["dist"]["ranks_per_node"]):  # fake tensors are CPU
+            return measure(config)
+    except Exception as exc:
+        tail = "".join(traceback.format_exception_only(exc)).strip()
+        return {"status": "error", "error": f"{tail}\n{traceback.format_exc()[-TAIL:]}"}
+
+
+def simulate_elsewhere(config: dict, rank: int) -> dict:
+    """simulate_rank in a fresh `python -m vlmprobe.distributed.ranks RANK` (the point's config on stdin)."""
+    import json
+    import subprocess
+    import sys
+
+    timeout = config["measure"]["timeout_s"]
+    try:
+        proc = subprocess.run([sys.executable, "-m", "vlmprobe.distributed.ranks", str(rank)], input=json.dumps(config),
+                              capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return {"status": "timeout", "error": f"rank {rank}'s simulation gave no result after {timeout} s"}
+    lines = [line for line in proc.stdout.splitlines() if line.startswith(SIMULATED)]
+    if lines:
+        return json.loads(lines[-1][len(SIMULATED):])
+    return {"status": "crash", "error": f"rank {rank}'s simulation exited {proc.returncode}; stderr tail: "
+                                       f"{proc.stderr.strip()[-TAIL:]}"}
+
+
+SIMULATED = "VLMPROBE_SIMULATED_RANK "  # prefix of the row line a fresh simulation prints
 
 
 def point_row(rows: dict[int, dict], world_size: int, failure: dict | None = None) -> tuple[dict, list[dict]]:
@@ -144,3 +179,13 @@ def read_ranks(out_dir: Path):
 
     path = out_dir / "ranks.csv"
     return read_table(path) if path.is_file() else None
+
+
+if __name__ == "__main__":  # simulate_elsewhere's process
+    import json
+    import sys
+
+    from vlmprobe.worker import measure
+
+    row = simulate_rank(json.loads(sys.stdin.read()), int(sys.argv[1]), measure)
+    sys.stdout.write("\n" + SIMULATED + json.dumps(row) + "\n")
