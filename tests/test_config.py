@@ -12,7 +12,7 @@ from vlmprobe.models.base import count_params
 
 MODELS = sorted(p.stem for p in (CONF / "model").glob("*.yaml"))
 SWEEPS = sorted(p.stem for p in (CONF / "sweep").glob("*.yaml"))
-GROUPS = {g: sorted(p.stem for p in (CONF / g).glob("*.yaml")) for g in ("data", "train", "measure", "optimizer")}
+GROUPS = {g: sorted(p.stem for p in (CONF / g).glob("*.yaml")) for g in ("data", "train", "measure", "optimizer", "dist")}
 
 
 @pytest.mark.parametrize("model", MODELS)

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 from omegaconf import OmegaConf
 
+from vlmprobe.distributed import options as dist_options
 from vlmprobe.errors import ConfigError, first_line, refused
 from vlmprobe.grid import Point, expand, flatten_axes, flatten_cases
 from vlmprobe.results import axis_column
@@ -194,6 +195,7 @@ def validate_point(cfg: dict, point: Point) -> tuple[dict, str | None]:
     except Exception as exc:  # Hydra's InstantiationException: the cause is the constructor's own refusal
         raise refused(f"model={cfg['model'].get('name', '?')} with its settings", str(cfg["model"].get("_target_")),
                       exc.__cause__ or exc) from None
+    dist_options.validate(cfg["dist"], measure["backend"], cfg.get("find"), _visible_gpus)
     described, skip = _describe_model(*(json.dumps(cfg[k], sort_keys=True) for k in ("model", "train", "optimizer")))
     inputs = {
         "sweep": cfg["sweep"]["name"],
@@ -216,6 +218,8 @@ def validate_point(cfg: dict, point: Point) -> tuple[dict, str | None]:
         "freeze_vision": train["freeze_vision"],
         "freeze_lm": train["freeze_lm"],
         "lora_r": train["lora_r"],
+        "dist": cfg["dist"]["name"],
+        "world_size": cfg["dist"]["world_size"],
         "attn_implementation": cfg["model"].get("attn_implementation"),
         "alloc_conf": measure.get("alloc_conf"),
         "hold_outputs": measure["hold_outputs"],
@@ -224,7 +228,13 @@ def validate_point(cfg: dict, point: Point) -> tuple[dict, str | None]:
     for key, value in point.values.items():  # every swept key has a column (case keys too)
         if axis_column(key) not in inputs:
             inputs[axis_column(key)] = value if not isinstance(value, (dict, list)) else json.dumps(value)
-    return inputs, skip or kernel_skip(cfg)
+    return inputs, skip or kernel_skip(cfg) or dist_options.skip_reason(cfg["dist"], measure["backend"])
+
+
+def _visible_gpus() -> int:
+    from vlmprobe.backends.cuda import device_count
+
+    return device_count()
 
 
 def kernel_skip(cfg: dict) -> str | None:

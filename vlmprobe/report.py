@@ -108,6 +108,7 @@ def summary_markdown(table: pd.DataFrame, axes: list[str], env: dict, beside: st
                 shown[c] = shown[c].map(mib)
         shown.columns = [c.replace("_bytes", " MiB") for c in cols]
         lines += [shown.to_markdown(index=False), ""]
+        lines += rank_spread(table)
         failed = table[~table["status"].isin(["ok", "oom"])]
         if len(failed):
             lines += ["## Points that failed", ""]
@@ -116,6 +117,22 @@ def summary_markdown(table: pd.DataFrame, axes: list[str], env: dict, beside: st
     else:
         lines += ["(no rows)", ""]
     return "\n".join(lines)
+
+
+def rank_spread(table: pd.DataFrame) -> list[str]:
+    """The points whose ranks do not all peak alike: max and min rank peaks (ranks.csv has every rank)."""
+    if "rank_imbalance" not in table:
+        return []
+    uneven = table[table["rank_imbalance"].astype(float).fillna(1.0) != 1.0]
+    if not len(uneven):
+        return []
+    shown = pd.DataFrame({
+        "point_id": uneven["point_id"], "world_size": uneven["world_size"], "max_rank": uneven["max_rank"],
+        "max rank peak MiB": uneven["peak_allocated_bytes"].map(mib),
+        "min rank peak MiB": uneven["min_rank_peak_allocated_bytes"].map(mib),
+        "max / min": uneven["rank_imbalance"]})
+    return ["## Per-rank spread (points whose ranks differ; every rank in ranks.csv)", "",
+            shown.to_markdown(index=False), ""]
 
 
 def last_line(error) -> str:
@@ -186,6 +203,8 @@ def plot(table: pd.DataFrame, axes: list[str], path: Path, capacity_bytes: int |
     import matplotlib.pyplot as plt
 
     x = "batch_size" if "data.batch_size" in axes or not axes else axis_column(axes[0])
+    if "dist.world_size" in axes and x != "batch_size":  # per-GPU memory against the number of GPUs
+        x = "world_size"
     others = [axis_column(a) for a in axes if axis_column(a) != x]
     if not pd.api.types.is_numeric_dtype(table[x]):  # cases, optimizers, ...: no line between them
         return bar_plot(table, [x, *others], path, capacity_bytes, capacity_label)
@@ -222,8 +241,9 @@ def plot(table: pd.DataFrame, axes: list[str], path: Path, capacity_bytes: int |
     ax.set_ylim(0, top * 1.04)
     if pd.api.types.is_numeric_dtype(table[x]):  # ticks at the swept values, not matplotlib's round numbers
         ax.set_xticks(sorted(set(pd.concat([frame[x] for frame, *_ in sides]).dropna())))
-    ax.set_xlabel("batch size (samples per step)" if x == "batch_size" else x)
-    ax.set_ylabel("peak allocated memory (GiB = 1024^3 B)")
+    ax.set_xlabel({"batch_size": "batch size (samples per step)", "world_size": "world size (GPUs)"}.get(x, x))
+    ax.set_ylabel("peak allocated memory" + (" per GPU, max over ranks" if x == "world_size" else "")
+                  + " (GiB = 1024^3 B)")
     backends = ", ".join(BACKEND_TITLES.get(b, b) for b in sorted(table["backend"].dropna().unique()))
     ax.set_title(f"{table['sweep'].iloc[0]}: {table['model'].iloc[0]}, {backends}")
     ax.grid(alpha=0.3)

@@ -16,12 +16,15 @@ INPUT_COLUMNS = [
     "sweep", "point_id", "case", "model", "params", "trainable_params", "dtype", "autocast_dtype", "optimizer",
     "batch_size", "grad_accum_steps", "effective_batch_size", "lm_max_length", "image_size", "images_per_sample",
     "max_pixels", "image_tokens", "grad_ckpt_lm", "grad_ckpt_vision", "freeze_vision", "freeze_lm", "lora_r",
+    "dist", "world_size",
     "attn_implementation", "alloc_conf", "hold_outputs", "steps",
 ]
 OUTPUT_COLUMNS = [
     "backend", "status",
     "peak_allocated_bytes",  # max over all steps: what measure_vram.py's max_memory_allocated reports
     "last_step_peak_allocated_bytes",  # the steady-state step (optimizer state already allocated)
+    # several ranks (dist.world_size > 1): every memory figure is the max over ranks; these say where it sits
+    "max_rank", "min_rank_peak_allocated_bytes", "rank_imbalance",  # rank of the peak; lowest rank peak; max / min
     "peak_reserved_bytes", "last_step_peak_reserved_bytes", "peak_active_bytes",
     "num_alloc_retries", "num_ooms", "nvml_used_bytes", "nvml_process_bytes",
     "after_load_bytes", "forward_peak_bytes", "backward_peak_bytes", "optimizer_peak_bytes", "peak_phase",

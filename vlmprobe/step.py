@@ -71,11 +71,12 @@ def state_tensors(optimizer: torch.optim.Optimizer, device_type: str) -> list[to
     ]
 
 
-def train_steps(spec, model, batch, optimizer, meter: Meter, steps: int, autocast, report: StepReport,
+def train_steps(spec, engine, batch, meter: Meter, steps: int, autocast, report: StepReport,
                 accum: int = 1, hold_outputs: bool = False) -> None:
     """Run `steps` optimizer steps of `accum` micro batches each, filling `report` as they go (so an
     out-of-memory leaves what was measured before it); `autocast` is a zero-arg factory of the forward's
-    autocast context. Phase peaks are per micro step, the max over all of them.
+    autocast context. Phase peaks are per micro step, the max over all of them. `engine`
+    (vlmprobe.distributed.engines) owns the model and optimizer: single GPU, DDP or a sharded engine.
 
     hold_outputs keeps each forward's outputs (the logits) alive until the next forward has returned, as a
     loop that writes `_, loss = model(...)` does (nanoVLM's measure_vram.py); otherwise they die with the
@@ -95,11 +96,11 @@ def train_steps(spec, model, batch, optimizer, meter: Meter, steps: int, autocas
     for _ in range(steps):
         step_peaks: dict[str, int] = {}
         started = time.perf_counter()
-        optimizer.zero_grad(set_to_none=True)
+        engine.zero_grad()
         for _ in range(accum):
             before_forward = meter.current()
             with autocast():
-                loss, outputs = spec.loss(model, batch)
+                loss, outputs = spec.loss(engine.model, batch)
                 if accum > 1:
                     loss = loss / accum  # the mean over the effective batch, as accumulation loops do
             kept = outputs if hold_outputs else None  # this reference is what keeps them alive
@@ -110,17 +111,17 @@ def train_steps(spec, model, batch, optimizer, meter: Meter, steps: int, autocas
             report.activations_bytes = meter.current() - before_forward
             held = kept  # rebinding lets the previous outputs die, as `_, loss = model(...)` does
             close_phase(step_peaks, "forward")
-            loss.backward()
+            engine.backward(loss)
             close_phase(step_peaks, "backward")
-        report.grads_bytes = sum(p.grad.untyped_storage().nbytes() for p in model.parameters() if p.grad is not None)
-        optimizer.step()
+        report.grads_bytes = engine.grads_bytes()
+        engine.step()
         close_phase(step_peaks, "optimizer")
         report.step_time_s = time.perf_counter() - started
         report.last_step_peaks = step_peaks
         for key, value in step_peaks.items():
             report.peaks[key] = max(report.peaks.get(key, 0), value)
     report.peak_phase = max(PHASES, key=lambda p: report.phase_peaks[p])
-    state = state_tensors(optimizer, next(model.parameters()).device.type)
+    state = engine.state_tensors()
     report.optimizer_state_bytes = sum(t.untyped_storage().nbytes() for t in state)
     report.optimizer_state_dtype = ",".join(sorted({str(t.dtype).removeprefix("torch.") for t in state}))
 

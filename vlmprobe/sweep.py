@@ -20,6 +20,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from vlmprobe import backends, interrupt
+from vlmprobe.distributed.ranks import RankWriter, measure_point
 from vlmprobe.results import RowWriter, mib, read_table
 from vlmprobe.worker import RAISED, ROW_PREFIX, measure
 
@@ -71,11 +72,13 @@ def call_worker(request: dict, env: dict, timeout: float | None) -> dict:
 
 
 def run_point(config: dict) -> dict:
-    """Outputs of one point; never raises for a failure of the point itself."""
-    if isolated(config):
+    """Outputs of one point; never raises for a failure of the point itself. A point of several ranks
+    also carries its rank rows under "ranks" (vlmprobe.distributed.ranks)."""
+    distributed = config["dist"]["name"] != "none"
+    if isolated(config) and not distributed:
         return call_worker(config, worker_env(config), config["measure"]["timeout_s"])
     try:
-        return measure(config)
+        return measure_point(config, measure, worker_env(config)) if distributed else measure(config)
     except Exception as exc:
         tail = "".join(traceback.format_exception_only(exc)).strip()
         return {"status": "error", "error": f"{tail}\n{traceback.format_exc()[-TAIL:]}"}
@@ -101,6 +104,7 @@ class Runner:
         table = read_table(csv_path)
         self.done = {row["point_id"]: row for row in table.astype(object).where(table.notna(), None).to_dict("records")}
         self.statuses: list[str] = []  # of the points run here, not of the resumed ones
+        self.ranks = RankWriter(out_dir)
 
     def run(self, item) -> dict:
         if item.point.id in self.done:
@@ -109,6 +113,8 @@ class Runner:
         if interrupt.received():  # Ctrl-C struck inside the point and a library turned it into a failure
             raise KeyboardInterrupt
         outputs.setdefault("backend", item.config["measure"]["backend"])
+        if "ranks" in outputs:
+            self.ranks.append(item.point.id, outputs.pop("ranks"))
         row = {**item.inputs, **outputs}
         self.writer.append(row)
         self.done[item.point.id] = row

@@ -4,7 +4,9 @@ Used by the cpu backend (real CPU tensors) and the estimate backend (fake tensor
 sees every aten op below autograd, so it sees the forward, the tensors autograd saves, the backward and
 the optimizer alike. Each storage an op returns that was not seen before is allocated from a model of the
 CUDA caching allocator (vlmprobe.allocator: 512-byte rounding, segments, best fit, unsplit remainders),
-in the order the ops run, and freed there when the storage dies; the figures are that model's.
+in the order the ops run, and freed there when the storage dies, or resized in place (`resize_`, how FSDP2
+frees and re-allocates unsharded parameters: the old block is freed, a new one allocated); the figures are
+that model's.
 Storages that exist before the tracker starts are not counted, nor tensors made from Python data
 (`torch.tensor(...)`): a real run creates those without dispatching an allocation (only fake mode lifts
 them through `lift_fresh`), and in training code they are scalars kept on the CPU even under CUDA, such
@@ -18,7 +20,7 @@ import weakref
 
 import torch
 from torch._subclasses.fake_tensor import DataDependentOutputException
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_leaves
 
 from vlmprobe.allocator import CachingAllocatorModel
@@ -35,13 +37,8 @@ class LiveBytesTracker(TorchDispatchMode):
         self.allocator = CachingAllocatorModel(capacity)
         self.answer_fake_scalar_reads = answer_fake_scalar_reads
         self._seen: weakref.WeakSet = weakref.WeakSet()
+        self._blocks: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # storage -> (handle, finalizer)
         self._open = True  # storages that die after the measurement are not freed into the model
-
-    def __exit__(self, *exc):
-        # An interrupt can strike inside malloc/free and leave the model half-updated; the figures are read
-        # before this point, so later deaths (garbage collection, interpreter exit) must not touch it.
-        self._open = False
-        return super().__exit__(*exc)
 
     @property
     def current(self) -> int:
@@ -59,11 +56,41 @@ class LiveBytesTracker(TorchDispatchMode):
     def _charge(self, storage) -> None:
         handle = self.allocator.malloc(storage.nbytes())
         self._seen.add(storage)
-        weakref.finalize(storage, self._free, handle).atexit = False  # nothing to free into at exit
+        finalizer = weakref.finalize(storage, self._free, handle)
+        finalizer.atexit = False  # nothing to free into at exit
+        self._blocks[storage] = (handle, finalizer)
 
     def _free(self, handle: int) -> None:
         if self._open:
             self.allocator.free(handle)
+
+    def _resized(self, storage) -> None:
+        """A storage resized in place (FSDP2 frees an unsharded parameter with resize_(0) and allocates it
+        again with resize_(n), keeping the storage object): CUDA frees the old block and allocates a new
+        one, so the model does the same."""
+        handle, finalizer = self._blocks.pop(storage, (None, None))
+        if finalizer is not None and finalizer.detach() is not None:
+            self._free(handle)
+        if storage.nbytes():
+            self._charge(storage)
+
+    def __enter__(self):
+        resize = self._storage_resize = torch.UntypedStorage.resize_
+
+        def resize_(storage, size):
+            out = resize(storage, size)
+            self._resized(storage)
+            return out
+
+        torch.UntypedStorage.resize_ = resize_
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        # An interrupt can strike inside malloc/free and leave the model half-updated; the figures are read
+        # before this point, so later deaths (garbage collection, interpreter exit) must not touch it.
+        self._open = False
+        torch.UntypedStorage.resize_ = self._storage_resize
+        return super().__exit__(*exc)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -72,25 +99,43 @@ class LiveBytesTracker(TorchDispatchMode):
         except DataDependentOutputException:
             if not (self.answer_fake_scalar_reads and func is torch.ops.aten._local_scalar_dense.default):
                 raise
-            # `.item()` of a fake tensor has no value. Code that reaches here computes with the number
-            # (Adafactor's step size); it allocates the same whatever the number, so 1 stands in for it.
-            # transformers does not get here: it skips data checks for fake tensors.
-            return True if args[0].dtype == torch.bool else 1
+            # `.item()` of a fake tensor has no value; it is answered as a healthy step reads it. A number is
+            # computed with (Adafactor's step size, a norm): it allocates the same whatever it is, so 1.0. A flag
+            # is an overflow / invalid-norm check (DeepSpeed's has_overflow reads a uint8): 0 / False, "none",
+            # or DeepSpeed would skip the update and what it allocates. transformers does not get here: it
+            # skips data checks for fake tensors.
+            if args[0].dtype.is_floating_point:
+                return 1.0
+            return False if args[0].dtype == torch.bool else 0
         if func in _FROM_PYTHON_DATA:
             return out
         inputs = None
-        for t in tree_leaves(out):
-            if not isinstance(t, torch.Tensor) or t.layout != torch.strided or t.device.type == "meta":
+        for t in storage_tensors(out):
+            if t.device.type == "meta":
                 continue
             storage = t.untyped_storage()
             if storage in self._seen:
                 continue
             if inputs is None:  # an output aliasing an input (in-place op, view) allocated nothing new
-                inputs = {id(a.untyped_storage()) for a in tree_leaves((args, kwargs))
-                          if isinstance(a, torch.Tensor) and a.layout == torch.strided}
+                inputs = {id(a.untyped_storage()) for a in storage_tensors((args, kwargs))}
             if id(storage) not in inputs:
                 self._charge(storage)
         return out
+
+
+def storage_tensors(tree) -> list[torch.Tensor]:
+    """The tensors in `tree` that own memory: a wrapper subclass (DTensor: a global shape around this rank's
+    local shard) stands for its inner tensors, whose storages are the memory; its own storage is none."""
+    found = []
+    for t in tree_leaves(tree):
+        if not isinstance(t, torch.Tensor) or t.layout != torch.strided:
+            continue
+        if is_traceable_wrapper_subclass(t):
+            names, _ = t.__tensor_flatten__()
+            found.extend(storage_tensors([getattr(t, name) for name in names]))
+        else:
+            found.append(t)
+    return found
 
 
 _REQUEST = re.compile(r"Tried to allocate ([\d.]+) (bytes|KiB|MiB|GiB|TiB)")

@@ -16,7 +16,8 @@ import torch
 from vlmprobe import backends
 from vlmprobe.knobs import apply_knobs
 from vlmprobe.models.base import DataShape
-from vlmprobe.step import StepReport, make_optimizer, train_steps
+from vlmprobe.distributed import engines
+from vlmprobe.step import StepReport, train_steps
 
 ROW_PREFIX = "VLMPROBE_ROW "
 RAISED = 3  # exit code when the measurement raised: the sweep records status `error` with the traceback
@@ -54,17 +55,17 @@ def measure(point: dict) -> dict:
     out: dict = {"backend": backend.name, "status": "ok"}
     with backend.session(point["measure"].get("device_memory"), point["measure"]["record_history"]) as meter:
         try:
-            model = spec.build(backend.device(), DTYPES[train["param_dtype"]])
+            engine = engines.make(point, backend.device())  # single GPU, DDP or sharded
+            model = spec.build(engine.build_device, DTYPES[train["param_dtype"]], init=not engine.build_device_is_meta)
             apply_knobs(spec, model, train)
             model.train()
             batch = spec.batch(data, backend.device())
-            trainable = [p for p in model.parameters() if p.requires_grad]
-            optimizer, _ = make_optimizer(instantiate(point["optimizer"], _convert_="all"), trainable)
+            engine.prepare(spec, model, instantiate(point["optimizer"], _convert_="all"))
             meter.sync()
             out["after_load_bytes"] = meter.current()
-            out["params_bytes"] = sum(p.untyped_storage().nbytes() for p in model.parameters())
+            out["params_bytes"] = engine.params_bytes()
             autocast = backend.autocast(DTYPES.get(train.get("autocast_dtype") or ""))
-            train_steps(spec, model, batch, optimizer, meter, point["measure"]["steps"], autocast, report,
+            train_steps(spec, engine, batch, meter, point["measure"]["steps"], autocast, report,
                         accum=train["grad_accum_steps"], hold_outputs=point["measure"]["hold_outputs"])
         except Exception as exc:
             if not is_out_of_memory(exc):
@@ -106,6 +107,10 @@ def describe(backend_name: str) -> dict:
 
 
 def main() -> None:
+    if len(sys.argv) > 1:  # one rank of a distributed point: torchrun started it with the request's path
+        from vlmprobe.distributed.launcher import run_rank
+
+        sys.exit(run_rank(Path(sys.argv[1]), measure))
     request = json.loads(sys.stdin.read())
     result = describe(request["describe"]) if "describe" in request else measure(request)
     sys.stdout.write("\n" + ROW_PREFIX + json.dumps(result) + "\n")

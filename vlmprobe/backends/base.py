@@ -30,6 +30,9 @@ class Backend(abc.ABC):
 
         return autocast_factory(self.device_type, dtype)
 
+    def select_device(self, local_rank: int) -> None:
+        """Make this process's device the one of `local_rank` (one rank of a launched job); before session()."""
+
     def write_snapshot(self, meter, path) -> bool:
         """Write an allocator snapshot (history of every allocation) to `path`; False where there is none."""
         return False

@@ -43,7 +43,8 @@ def unusable_reason() -> str | None:
         (f": {said})" if said else "; the driver reports no device)")
 
 
-def visible_gpus() -> int:
+def device_count() -> int:
+    """Visible CUDA GPUs (CUDA_VISIBLE_DEVICES applied); creates no CUDA context."""
     return torch.cuda.device_count()
 
 
@@ -157,6 +158,9 @@ class CudaBackend(Backend):
                               f"does not record one")
         torch.cuda.reset_peak_memory_stats()
         yield CudaMeter(int(total * fraction) if fraction is not None else None, recording, notes)
+
+    def select_device(self, local_rank):
+        torch.cuda.set_device(local_rank)  # one GPU per rank of a launched job
 
     def write_snapshot(self, meter, path) -> bool:
         if not meter.recording:

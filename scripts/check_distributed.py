@@ -1,0 +1,61 @@
+#!/usr/bin/env python
+"""FSDP2 per rank: the estimate (one simulation per group of identical ranks, fake process group) against
+the cpu backend (N real processes on gloo, real CPU tensors), for every rank; the two must be equal to the
+byte in every memory column. Prints one row per (model, world size, rank).
+
+    python scripts/check_distributed.py [--worlds 2,4] [--models nanovlm_tiny,qwen2_vl_tiny]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import pandas as pd
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
+
+from vlmprobe.__main__ import CONF
+from vlmprobe.distributed.ranks import RANK_VALUE_COLUMNS, measure_point
+from vlmprobe.plan import plan
+from vlmprobe.results import MiB
+from vlmprobe.worker import measure
+
+BYTES = [c for c in RANK_VALUE_COLUMNS if c.endswith("_bytes")]
+
+
+def run(overrides: list[str]) -> dict:
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        config = lambda extra: compose(config_name="config", overrides=list(extra))  # noqa: E731
+        (planned,) = plan(config, overrides, OmegaConf.to_container(config(overrides), resolve=True))
+    return measure_point(planned.config, measure, dict(os.environ))
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--worlds", default="2,4")
+    parser.add_argument("--models", default="nanovlm_tiny,qwen2_vl_tiny")
+    args = parser.parse_args()
+    rows = []
+    for model in args.models.split(","):
+        for world in map(int, args.worlds.split(",")):
+            base = [f"model={model}", "data.batch_size=2", "data.lm_max_length=64", "dist=fsdp2",
+                    f"dist.world_size={world}"]
+            estimate, cpu = (run(base + [f"measure.backend={b}"]) for b in ("estimate", "cpu"))
+            for e, c in zip(estimate["ranks"], cpu["ranks"]):
+                differing = [k for k in BYTES if e.get(k) != c.get(k)]
+                rows.append({"model": model, "world_size": world, "rank": e["rank"], "simulated_as": e["simulated_as"],
+                             "estimate peak B": e["peak_allocated_bytes"], "cpu peak B": c["peak_allocated_bytes"],
+                             "estimate peak MiB": round(e["peak_allocated_bytes"] / MiB, 3),
+                             "columns that differ": ", ".join(differing) or "none",
+                             "status": f"{e['status']}/{c['status']}"})
+    table = pd.DataFrame(rows)
+    print(table.to_markdown(index=False))
+    print(f"\nCompared per rank: {', '.join(BYTES)} (bytes; MiB = 1024^2 B). estimate: fake process group, one "
+          f"simulation per group of identical ranks (simulated_as); cpu: torchrun, gloo, real tensors.")
+    return 0 if (table["columns that differ"] == "none").all() else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

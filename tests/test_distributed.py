@@ -1,0 +1,212 @@
+"""Sharded multi-GPU points (vlmprobe.distributed): the FSDP2 estimate against real ranks on gloo, to the
+byte and per rank; model states against a hand computation of the shards; the rows and ranks.csv; bad input."""
+
+import json
+import math
+
+import pandas as pd
+import pytest
+import torch
+from hydra.utils import instantiate
+from omegaconf import OmegaConf
+
+from conftest import run_cli
+from vlmprobe.distributed import options
+from vlmprobe.distributed.ranks import RANK_VALUE_COLUMNS, measure_point, point_row, rank_groups
+from vlmprobe.errors import ConfigError
+from vlmprobe.plan import plan
+from vlmprobe.worker import measure
+
+BYTES = [c for c in RANK_VALUE_COLUMNS if c.endswith("_bytes") and c not in (
+    "peak_reserved_bytes", "last_step_peak_reserved_bytes", "peak_active_bytes", "nvml_used_bytes",
+    "nvml_process_bytes")]
+TINY = ["data.batch_size=2", "data.lm_max_length=64"]
+
+
+@pytest.fixture
+def run_dist(point):
+    """run_dist(overrides) -> the outputs of a distributed point (rank rows under "ranks")."""
+    return lambda overrides: measure_point(point(overrides), measure, dict(__import__("os").environ))
+
+
+def by_rank(outputs):
+    return {r["rank"]: {k: r.get(k) for k in BYTES} for r in outputs["ranks"]}
+
+
+def compare_estimate_and_cpu(run_dist, model, world):
+    base = [f"model={model}", *TINY, "dist=fsdp2", f"dist.world_size={world}"]
+    estimate = run_dist(base + ["measure.backend=estimate"])
+    cpu = run_dist(base + ["measure.backend=cpu"])
+    assert estimate["status"] == cpu["status"] == "ok", (estimate.get("error"), cpu.get("error"))
+    assert len(cpu["ranks"]) == len(estimate["ranks"]) == world
+    assert by_rank(estimate) == by_rank(cpu)
+    assert {r["backend"] for r in estimate["ranks"]} == {"estimate"} and {r["backend"] for r in cpu["ranks"]} == {"cpu"}
+    return estimate, cpu
+
+
+@pytest.mark.parametrize("model", ["nanovlm_tiny", "qwen2_vl_tiny"])
+def test_fsdp2_estimate_equals_real_gloo_ranks_to_the_byte_at_world_size_2(run_dist, model):
+    compare_estimate_and_cpu(run_dist, model, 2)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model", ["nanovlm_tiny", "qwen2_vl_tiny"])
+def test_fsdp2_estimate_equals_real_gloo_ranks_to_the_byte_at_world_size_4(run_dist, model):
+    compare_estimate_and_cpu(run_dist, model, 4)
+
+
+def real_local_shapes(point_cfg, rank, world):
+    """Each parameter's local shard shape on `rank`, from the real fully_shard on a meta model."""
+    from vlmprobe.distributed.engines import FSDP2Engine
+    from vlmprobe.distributed.process_group import fake_group
+    from vlmprobe.knobs import apply_knobs
+    from vlmprobe.worker import build_spec
+
+    spec = build_spec(point_cfg["model"])
+    model = spec.build(torch.device("meta"), torch.float32, init=False)
+    apply_knobs(spec, model, point_cfg["train"])
+    with fake_group(rank, world):
+        engine = FSDP2Engine(point_cfg, torch.device("meta"))  # materialises on meta: shapes only
+        engine.wrap(spec, model)
+        return [tuple(engine.local(p).shape) for p in model.parameters()]
+
+
+@pytest.mark.parametrize("model,world", [("nanovlm_tiny", 3), ("qwen2_vl_tiny", 4)])
+def test_ranks_are_grouped_by_the_shard_shapes_fully_shard_gives_them(point, model, world):
+    cfg = point([f"model={model}", *TINY, "dist=fsdp2", f"dist.world_size={world}", "measure.backend=estimate"])
+    shapes = [real_local_shapes(cfg, rank, world) for rank in range(world)]
+    expected = {}
+    for rank, local in enumerate(shapes):
+        expected.setdefault(tuple(local), []).append(rank)
+    assert rank_groups(cfg) == list(expected.values())
+
+
+def test_model_states_per_rank_fall_as_1_over_n_as_a_hand_computation_of_the_shards(run_dist, compose):
+    spec = instantiate(compose(["model=nanovlm_tiny"]).model, _convert_="all")
+    shapes = [tuple(p.shape) for p in spec.build("meta", torch.float32, init=False).parameters()]
+    whole = 4 * sum(math.prod(s) for s in shapes)  # fp32 bytes of the unsharded model
+    for world in (1, 2, 4):
+        outputs = run_dist(["model=nanovlm_tiny", *TINY, "dist=fsdp2", f"dist.world_size={world}",
+                            "measure.backend=estimate"])
+        rank0 = outputs["ranks"][0]
+        chunk = [math.ceil(s[0] / world) * math.prod(s[1:]) for s in shapes]  # rank 0 holds the first, full chunk
+        # params and grads live in shards padded to the largest chunk; AdamW's two states follow the shard
+        assert rank0["params_bytes"] == rank0["grads_bytes"] == 4 * sum(chunk)
+        assert rank0["optimizer_state_bytes"] == 2 * 4 * sum(chunk)
+        assert abs(rank0["params_bytes"] - whole / world) <= 4 * len(shapes) * world * 64  # padding only
+
+
+def test_activations_do_not_change_with_world_size_at_a_fixed_per_gpu_batch(run_dist):
+    activations = {world: run_dist(["model=qwen2_vl_tiny", *TINY, "dist=fsdp2", f"dist.world_size={world}",
+                                    "measure.backend=estimate"])["activations_bytes"] for world in (1, 2, 4)}
+    assert len(set(activations.values())) == 1, activations
+
+
+@pytest.mark.slow
+def test_fsdp2_at_world_size_1_is_within_a_few_percent_of_one_gpu_without_sharding(run_dist, point):
+    base = ["model=nanovlm_222m", "data.batch_size=4", "data.lm_max_length=512", "train.param_dtype=bfloat16",
+            "train.autocast_dtype=null", "measure.backend=estimate"]
+    single = measure(point(base))["peak_allocated_bytes"]
+    sharded = run_dist(base + ["dist=fsdp2", "dist.world_size=1"])["peak_allocated_bytes"]
+    assert abs(sharded / single - 1) < 0.05, (sharded, single)
+
+
+def test_the_point_row_is_the_max_over_ranks_and_an_oom_names_its_rank():
+    ok = {"status": "ok", "backend": "cpu", "peak_allocated_bytes": 100, "params_bytes": 10, "peak_phase": "backward"}
+    rows = {0: {**ok, "peak_allocated_bytes": 80, "params_bytes": 12}, 1: ok, 2: {**ok, "peak_allocated_bytes": 100}}
+    out, rank_rows = point_row(rows, 3)
+    assert out["status"] == "ok" and out["peak_allocated_bytes"] == 100 and out["params_bytes"] == 12
+    assert out["max_rank"] == 1 and out["min_rank_peak_allocated_bytes"] == 80 and out["rank_imbalance"] == 1.25
+    assert [r["rank"] for r in rank_rows] == [0, 1, 2]
+    rows[2] = {"status": "oom", "backend": "cpu", "error": "Tried to allocate 2.00 GiB", "peak_allocated_bytes": 90}
+    out, _ = point_row(rows, 3)
+    assert out["status"] == "oom" and out["error"].startswith("rank 2: Tried to allocate")
+    out, _ = point_row({0: ok}, 2, {"status": "crash", "error": "torchrun exit code 1"})
+    assert out["status"] == "crash" and "ranks [1] left no row" in out["error"]
+
+
+@pytest.mark.slow
+def test_a_rank_out_of_memory_makes_the_launched_point_oom_and_names_the_rank(run_dist):
+    out = run_dist(["model=nanovlm_tiny", *TINY, "dist=fsdp2", "measure.backend=cpu", "measure.device_memory=1MiB"])
+    assert out["status"] == "oom" and out["error"].startswith("rank ")
+
+
+@pytest.mark.slow
+def test_ddp_ranks_hold_the_model_and_a_bucket_copy_of_its_grads(run_dist, point):
+    base = ["model=nanovlm_tiny", *TINY, "measure.backend=cpu"]
+    single = measure(point(base))
+    ddp = run_dist(base + ["dist=ddp", "dist.world_size=2"])
+    assert ddp["status"] == "ok", ddp.get("error")
+    assert ddp["params_bytes"] == single["params_bytes"] and ddp["optimizer_state_bytes"] == single["optimizer_state_bytes"]
+    # DDP allocates its buckets (grads-sized, fp32) when it wraps the model: after load holds them
+    assert ddp["after_load_bytes"] - single["after_load_bytes"] >= single["params_bytes"]
+
+
+def test_zero_points_are_skipped_saying_how_to_get_deepspeed_where_it_is_missing(plan_points, monkeypatch):
+    monkeypatch.setattr(options.importlib.util, "find_spec", lambda name: None)
+    (planned,) = plan_points(["model=nanovlm_tiny", *TINY, "dist=zero3", "measure.backend=estimate"])
+    assert planned.skip == 'dist=zero3 needs DeepSpeed, not installed here: pip install -e ".[deepspeed]"'
+
+
+def test_offload_is_skipped_where_host_and_device_memory_are_one(plan_points):
+    (planned,) = plan_points(["model=nanovlm_tiny", *TINY, "dist=zero3", "dist.offload_optimizer=cpu",
+                              "measure.backend=estimate"])
+    assert planned.skip.startswith("dist.offload_optimizer=cpu needs backend cuda")
+
+
+def test_world_size_and_the_dist_group_are_sweep_axes(plan_points):
+    planned = plan_points(["model=nanovlm_tiny", *TINY, "dist=fsdp2", "+sweep.axes.dist.world_size=[1,2,4,8]"])
+    assert [p.inputs["world_size"] for p in planned] == [1, 2, 4, 8] and {p.inputs["dist"] for p in planned} == {"fsdp2"}
+    planned = plan_points(["model=nanovlm_tiny", *TINY, "+sweep.axes.dist=[none,fsdp2]"])
+    assert [(p.inputs["dist"], p.inputs["world_size"]) for p in planned] == [("none", 1), ("fsdp2", 2)]
+
+
+def write(tmp_path, name, text):
+    path = tmp_path / name
+    path.write_text(text)
+    return str(path)
+
+
+@pytest.mark.parametrize("case", ["world 0", "not whole nodes", "none with 2 ranks", "missing json", "not json",
+                                  "stage 5", "ddp offload", "fsdp2 optimizer offload", "find", "offload param zero2"])
+def test_bad_dist_input_is_one_line_naming_the_value(plan_points, tmp_path, case):
+    cases = {
+        "world 0": (["dist=fsdp2", "dist.world_size=0"], "dist.world_size=0 is not allowed"),
+        "not whole nodes": (["dist=fsdp2", "dist.world_size=12"], "dist.world_size=12 is not allowed with dist.ranks_per_node=8"),
+        "none with 2 ranks": (["dist.world_size=2"], "dist.world_size=2 is not allowed with dist=none"),
+        "missing json": (["dist=zero3", f"dist.deepspeed_config={tmp_path}/nope.json"], "no such file"),
+        "not json": (["dist=zero3", f"dist.deepspeed_config={write(tmp_path, 'a.json', '{stage: 3')}"], "not JSON"),
+        "stage 5": (["dist=zero3", f"dist.deepspeed_config={write(tmp_path, 'b.json', json.dumps({'zero_optimization': {'stage': 5}}))}"],
+                    "zero_optimization.stage=5, DeepSpeed's ZeRO stages are 0-3"),
+        "ddp offload": (["dist=ddp", "dist.offload_optimizer=cpu"], "dist.offload_* is not allowed with dist=ddp"),
+        "fsdp2 optimizer offload": (["dist=fsdp2", "dist.offload_optimizer=cpu"], "is not allowed with dist=fsdp2"),
+        "find": (["dist=fsdp2", "+find=max_batch", "memory_budget=1GiB"], "dist=fsdp2 is not allowed with +find=max_batch"),
+        "offload param zero2": (["dist=zero2", "dist.offload_param=cpu"], "at ZeRO stage 3 only"),
+    }
+    overrides, message = cases[case]
+    with pytest.raises(ConfigError, match=None) as raised:
+        plan_points(["model=nanovlm_tiny", *TINY, "measure.backend=estimate", *overrides])
+    assert message in str(raised.value) and "\n" not in str(raised.value)
+
+
+def test_more_ranks_than_visible_gpus_is_refused_naming_both_numbers(point):
+    cfg = point(["model=nanovlm_tiny", *TINY, "dist=fsdp2", "dist.world_size=8", "measure.backend=estimate"])
+    with pytest.raises(ConfigError, match="it needs 8 GPUs and 1 are visible here"):
+        options.validate(cfg["dist"], "cuda", None, lambda: 1)
+
+
+def test_a_distributed_sweep_writes_rank_columns_ranks_csv_and_the_spread(tmp_path):
+    proc = run_cli(["model=nanovlm_tiny", *TINY, "dist=fsdp2", "+sweep.axes.dist.world_size=[1,2]",
+                    "measure.backend=estimate", f"results_dir={tmp_path}"], cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    (out,) = tmp_path.glob("*/*")
+    table, ranks = pd.read_csv(out / "results.csv"), pd.read_csv(out / "ranks.csv")
+    assert list(table["world_size"]) == [1, 2] and set(table["dist"]) == {"fsdp2"}
+    assert list(ranks.groupby("point_id").size()) == [1, 2]
+    for row in table.itertuples():
+        mine = ranks[ranks["point_id"] == row.point_id]
+        assert row.peak_allocated_bytes == mine["peak_allocated_bytes"].max()
+        assert row.min_rank_peak_allocated_bytes == mine["peak_allocated_bytes"].min()
+    assert table["rank_imbalance"].iloc[1] > 1  # nanovlm_tiny's (1, 16, 32) position table: rank 1 holds no row
+    assert "Per-rank spread" in (out / "summary.md").read_text()
+    assert (out / "plot.png").stat().st_size > 0

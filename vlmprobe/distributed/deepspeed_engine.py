@@ -1,0 +1,171 @@
+"""DeepSpeed ZeRO-1/2/3: the real engine (deepspeed.initialize), driven by the measured step like any engine.
+
+The process group exists before the engine (the fake group for the estimate, the launcher's real group for
+cpu and cuda): deepspeed.comm adopts it (comm/comm.py:init_distributed returns early when torch.distributed
+is initialised; dist_init_required=False). The config is the point's `dist` options in DeepSpeed's keys, or
+the user's own JSON (dist.deepspeed_config) with the "auto" values HF Trainer fills in, filled in from the
+point as it would (transformers integrations/deepspeed.py: batch sizes, precision, bucket sizes from the
+LM's hidden size).
+
+On fake tensors (the estimate) three things that a real step does not meet are answered where they are met,
+and nothing else of DeepSpeed is touched. On real tensors, on the fake group or in a real job, all it runs
+is DeepSpeed's own code. Checked against real gloo ranks (tests/test_deepspeed.py): the point's peak to the
+byte; per rank and phase within 16 KiB (real ranks themselves vary that much from run to run):
+1. `module.to(device)` in engine.py:DeepSpeedEngine._configure_distributed_model: torch swaps every fake
+   parameter on `.to()`, and the swap fails. The model is on its device already, so the call is skipped.
+2. `.item()` of a fake tensor has no value: DeepSpeed reads scalars for its overflow / invalid-norm checks
+   (runtime/utils.py:is_invalid_grad_norm, stage_1_and_2.py:has_overflow): the tracker answers them as a
+   healthy step reads them (vlmprobe.tracker). A step DeepSpeed skips anyway is an error, not a figure.
+3. stage 3 checks that every rank traced the same modules (runtime/zero/utils.py:get_lst_from_rank0 and
+   assert_lst_len_same_as_other_ranks broadcast rank 0's list). A fake group moves no data; every simulated
+   rank traces the same modules, so while the group is fake the local list answers.
+Offload to the CPU is run on every backend, but only cuda tells host from device memory
+(options.skip_reason); DeepSpeed's optimizer is then AdamW with `torch_adam` (no compiled CPUAdam op).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.distributed as torch_dist
+
+from vlmprobe.distributed.engines import Engine, _storage_bytes
+from vlmprobe.distributed.options import read_deepspeed_config
+from vlmprobe.step import make_optimizer
+
+PRECISION = {"bfloat16": "bf16", "float16": "fp16"}
+OPTIMIZER_AUTO = {"lr": 5e-5, "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 0.0}  # TrainingArguments defaults
+ZERO_KEYS = ("reduce_bucket_size", "allgather_bucket_size", "contiguous_gradients", "overlap_comm",
+             "stage3_prefetch_bucket_size", "stage3_max_live_parameters", "stage3_param_persistence_threshold")
+
+
+def fill_auto(node, values: dict, path: str = ""):
+    """`node` with every "auto" replaced by values[dotted path] (HF Trainer's rule for that key)."""
+    if isinstance(node, dict):
+        return {k: fill_auto(v, values, f"{path}{k}.") for k, v in node.items()}
+    if node == "auto":
+        key = path.rstrip(".")
+        if key not in values:
+            raise ValueError(f"{key}: \"auto\" has no value vlmprobe can fill in; give a number")
+        return values[key]
+    return node
+
+
+def deepspeed_config(point: dict, hidden_size: int) -> dict:
+    """The DeepSpeed config of a point: the user's JSON with "auto" filled in, or the dist options."""
+    dist, train, data = point["dist"], point["train"], point["data"]
+    micro, accum = data["batch_size"], train["grad_accum_steps"]
+    precision = PRECISION.get(train["param_dtype"])
+    auto = {
+        "train_micro_batch_size_per_gpu": micro, "gradient_accumulation_steps": accum,
+        "train_batch_size": micro * accum * dist["world_size"],
+        "bf16.enabled": precision == "bf16", "fp16.enabled": precision == "fp16",
+        "gradient_clipping": 1.0,  # HF Trainer's max_grad_norm default
+        # transformers' trainer_config_finalize: bucket sizes from the model's hidden size
+        "zero_optimization.reduce_bucket_size": hidden_size * hidden_size,
+        "zero_optimization.stage3_prefetch_bucket_size": int(0.9 * hidden_size * hidden_size),
+        "zero_optimization.stage3_param_persistence_threshold": 10 * hidden_size,
+    }
+    if dist["deepspeed_config"] is not None:
+        config = read_deepspeed_config(dist["deepspeed_config"])
+        optimizer = config.get("optimizer")
+        config = fill_auto({k: v for k, v in config.items() if k not in ("scheduler", "optimizer")}, auto)
+        if optimizer:  # HF Trainer's defaults for its "auto"s; these values decide no memory
+            params = optimizer.get("params", {})
+            config["optimizer"] = {**optimizer, "params": {
+                k: (OPTIMIZER_AUTO.get(k, v) if v == "auto" else v) for k, v in params.items()}}
+    else:
+        zero = {"stage": dist["stage"], **{k: dist[k] for k in ZERO_KEYS if k in dist}}
+        for key in ("offload_optimizer", "offload_param"):
+            if dist[key] != "none":
+                zero[key] = {"device": dist[key]}
+        config = {"train_micro_batch_size_per_gpu": micro, "gradient_accumulation_steps": accum,
+                  "zero_optimization": zero}
+        if precision:
+            config[precision] = {"enabled": True}
+    zero = config.setdefault("zero_optimization", {})
+    if any(zero.get(k, {}).get("device", "none") != "none" for k in ("offload_optimizer", "offload_param")) \
+            and "optimizer" not in config:
+        # ZeRO-Offload refuses a client optimizer (engine.py:_configure_optimizer); torch's AdamW on the host
+        # partitions allocates on the host what DeepSpeedCPUAdam would, and needs no compiled op
+        config["optimizer"] = {"type": "AdamW", "params": {"lr": 1e-5, "torch_adam": True}}
+    config.setdefault("steps_per_print", 2**31 - 1)  # DeepSpeed's progress lines are not ours to print
+    return config
+
+
+def fake_group_active() -> bool:
+    return torch_dist.is_initialized() and torch_dist.get_backend() == "fake"
+
+
+@functools.cache
+def answer_trace_checks_locally_on_fake_groups() -> None:
+    """Change 3 of the module doc, installed once per process; it acts only while the group is fake."""
+    import deepspeed.runtime.zero.utils as zero_utils
+
+    broadcast, compare = zero_utils.get_lst_from_rank0, zero_utils.assert_lst_len_same_as_other_ranks
+    zero_utils.get_lst_from_rank0 = lambda lst: list(lst) if fake_group_active() else broadcast(lst)
+    zero_utils.assert_lst_len_same_as_other_ranks = lambda lst: None if fake_group_active() else compare(lst)
+
+
+class DeepSpeedEngine(Engine):
+    """zero1 / zero2 / zero3: the model is built on the device as a whole and deepspeed.initialize partitions
+    it (deepspeed.zero.Init, which builds it partitioned, is not used: the window the figures cover opens
+    after load, so only the build's own transient differs)."""
+
+    def prepare(self, spec, model, optimizer_partial) -> None:
+        import deepspeed
+        from torch._subclasses.fake_tensor import FakeTensor
+
+        answer_trace_checks_locally_on_fake_groups()
+        config = deepspeed_config(self.point, spec.text["hidden_size"])
+        params = [p for p in model.parameters() if p.requires_grad]
+        client = None if "optimizer" in config else make_optimizer(optimizer_partial, params)[0]
+        self.fake = any(isinstance(p, FakeTensor) for p in params)
+        if self.fake:
+            model.to = lambda *args, **kwargs: model  # change 1 of the module doc
+        try:
+            self.model, self.optimizer, _, _ = deepspeed.initialize(
+                model=model, optimizer=client, model_parameters=params if client is None else None, config=config,
+                dist_init_required=False)
+        finally:
+            if self.fake:
+                del model.to
+        self.accum, self.micro = config.get("gradient_accumulation_steps", 1), 0
+
+    def zero_grad(self) -> None:
+        self.model.zero_grad()
+
+    def backward(self, loss) -> None:
+        self.model.backward(loss)
+        self.micro += 1
+        if self.micro < self.accum:
+            self.model.step()  # DeepSpeed counts micro steps in step(): off the boundary it updates nothing
+
+    def step(self) -> None:
+        skipped = self.model.skipped_steps
+        self.model.step()
+        self.micro = 0
+        if self.fake and self.model.skipped_steps != skipped:
+            raise RuntimeError("DeepSpeed skipped the optimizer step on fake tensors: an overflow flag was read as set")
+
+    def params_bytes(self) -> int:
+        # stage 3: this rank's partition (ds_tensor) and the persistent params; stages 1-2: the flat copy
+        return _storage_bytes(getattr(p, "ds_tensor", p) for p in self.model.module.parameters())
+
+    def grads_bytes(self) -> int:
+        optimizer = self.optimizer
+        buffers = [getattr(optimizer, name, None) for name in ("grad_partitions_flat_buffer", "grads_in_partition")]
+        averaged = getattr(optimizer, "averaged_gradients", None) or {}
+        tensors = [b for b in buffers if isinstance(b, torch.Tensor)]
+        tensors += [g for grads in averaged.values() for g in (grads or []) if isinstance(g, torch.Tensor)]
+        return _storage_bytes(t for t in tensors if t.device.type == self.device.type)
+
+    def state_tensors(self) -> list[torch.Tensor]:
+        """The inner (torch) optimizer's state over this rank's fp32 partition; none on the device when the
+        optimizer is offloaded."""
+        if self.model.zero_cpu_offload():
+            return []
+        inner = getattr(self.optimizer, "optimizer", self.optimizer)
+        return [t for state in inner.state.values() for t in state.values()
+                if isinstance(t, torch.Tensor) and t.dim() > 0]

@@ -1,0 +1,153 @@
+"""Engines: who owns the model + optimizer wiring of one rank. The measured step (vlmprobe.step.train_steps)
+drives an engine and never asks which one it is:
+
+    engine = make(point["dist"], device)
+    model = spec.build(engine.build_device, dtype, init=not engine.materialises)   # knobs applied after
+    engine.prepare(spec, model, optimizer_partial)   # wrap / shard the model, make the optimizer
+    engine.zero_grad(); loss = spec.loss(engine.model, batch); engine.backward(loss); engine.step()
+    engine.params_bytes(), engine.grads_bytes(), engine.state_tensors()   # for the row
+
+`none` is the single-GPU path exactly as it was; `ddp` and `fsdp2` are torch's own wrappers. A DeepSpeed
+engine plugs in as one more subclass: `prepare` calls deepspeed.initialize(model=..., optimizer=...) and
+keeps the returned engine; `backward` / `step` call engine.backward(loss) / engine.step(); `zero_grad`
+is DeepSpeed's; the byte figures read its partitioned flat buffers. `NAMES` maps `dist.name` to the class.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from vlmprobe.step import make_optimizer, state_tensors
+
+
+def _storage_bytes(tensors) -> int:
+    """Bytes of the distinct storages behind `tensors` (views into one flat buffer count it once)."""
+    storages = {}
+    for t in tensors:
+        storage = t.untyped_storage()
+        storages.setdefault(id(storage), storage)  # the dict keeps each storage alive, so ids stay distinct
+    return sum(s.nbytes() for s in storages.values())
+
+
+class Engine:
+    """The single-GPU engine (dist=none): the model as built, loss.backward(), optimizer.step()."""
+
+    build_device_is_meta = False  # build on the meta device and let prepare() materialise the (sharded) model
+
+    def __init__(self, point: dict, device: torch.device):
+        self.point, self.dist, self.device = point, point["dist"], device
+        self.model: nn.Module | None = None
+        self.optimizer: torch.optim.Optimizer | None = None
+
+    @property
+    def build_device(self) -> torch.device:
+        return torch.device("meta") if self.build_device_is_meta else self.device
+
+    def prepare(self, spec, model: nn.Module, optimizer_partial) -> None:
+        self.model = self.wrap(spec, model)
+        self.optimizer, _ = make_optimizer(optimizer_partial, [p for p in self.model.parameters() if p.requires_grad])
+
+    def wrap(self, spec, model: nn.Module) -> nn.Module:
+        return model
+
+    def zero_grad(self) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        loss.backward()
+
+    def step(self) -> None:
+        self.optimizer.step()
+
+    def local(self, tensor: torch.Tensor) -> torch.Tensor:
+        """The part of `tensor` this rank holds."""
+        return tensor
+
+    def params_bytes(self) -> int:
+        return sum(self.local(p).untyped_storage().nbytes() for p in self.model.parameters())
+
+    def grads_bytes(self) -> int:
+        return sum(p.grad.untyped_storage().nbytes() for p in self.model.parameters() if p.grad is not None)
+
+    def state_tensors(self) -> list[torch.Tensor]:
+        """Optimizer state tensors this rank holds on the device (not AdamW's scalar step counters)."""
+        return state_tensors(self.optimizer, self.device.type)
+
+
+class DDPEngine(Engine):
+    """torch DistributedDataParallel: the whole model per rank, plus the gradient buckets DDP allocates
+    when it wraps the model (one flat buffer per bucket of bucket_cap_mb, copies of the grads)."""
+
+    def wrap(self, spec, model):
+        from torch.nn.parallel import DistributedDataParallel
+
+        return DistributedDataParallel(model, bucket_cap_mb=self.dist["bucket_cap_mb"])
+
+
+def tower_blocks(spec, model: nn.Module) -> list[nn.Module]:
+    """The transformer blocks of each tower (`.blocks` for nanoVLM and Qwen2-VL's vision tower, `.layers`
+    for transformers' language models), in tower order."""
+    found = []
+    for modules in spec.towers(model).values():
+        for module in modules:
+            for attr in ("blocks", "layers"):
+                if isinstance(getattr(module, attr, None), nn.ModuleList):
+                    found.extend(getattr(module, attr))
+    return found
+
+
+class FSDP2Engine(Engine):
+    """torch FSDP2: fully_shard on every tower block, then on the root, over a 1-D mesh of all ranks. The
+    model is built on the meta device, sharded there and materialised shard by shard (to_empty), as FSDP2
+    training code does, so no rank ever holds the whole model."""
+
+    build_device_is_meta = True
+
+    def wrap(self, spec, model):
+        from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+
+        from vlmprobe.distributed.process_group import mesh
+
+        dist = self.dist
+        dtypes = {None: None, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+        options = {"mesh": mesh(), "mp_policy": MixedPrecisionPolicy(param_dtype=dtypes[dist["mp_param_dtype"]],
+                                                                    reduce_dtype=dtypes[dist["mp_reduce_dtype"]])}
+        if dist["offload_param"] == "cpu":
+            options["offload_policy"] = CPUOffloadPolicy()
+        if dist["reshard_after_forward"] is not None:
+            options["reshard_after_forward"] = dist["reshard_after_forward"]
+        for block in tower_blocks(spec, model):
+            fully_shard(block, **options)
+        fully_shard(model, **{k: v for k, v in options.items() if k != "reshard_after_forward"})
+        model.to_empty(device=self.device)
+        with torch.no_grad():  # weights do not change memory; filled so that a real run computes numbers
+            for p in model.parameters():
+                self.local(p).normal_(0.0, 0.02)
+            for b in model.buffers():  # to_empty left them uninitialised (e.g. rotary frequencies)
+                b.zero_()
+        return model
+
+    def local(self, tensor):
+        return tensor.to_local() if hasattr(tensor, "to_local") else tensor
+
+    def grads_bytes(self):
+        # FSDP2 reduce-scatters a block's grads into one buffer and keeps views of it: count each buffer once
+        return _storage_bytes(self.local(p.grad) for p in self.model.parameters() if p.grad is not None)
+
+    def state_tensors(self):
+        return [self.local(t) for t in super().state_tensors()]
+
+
+NAMES = {"none": Engine, "ddp": DDPEngine, "fsdp2": FSDP2Engine}
+
+
+def make(point: dict, device: torch.device) -> Engine:
+    """The engine of a point's `dist.name` (DeepSpeed's imported only for its points: an optional extra)."""
+    name = point["dist"]["name"]
+    if name.startswith("zero"):
+        from vlmprobe.distributed.deepspeed_engine import DeepSpeedEngine
+
+        return DeepSpeedEngine(point, device)
+    return NAMES[name](point, device)
+

@@ -1,0 +1,67 @@
+"""N fresh processes for one point: a torchrun job (`python -m torch.distributed.run --standalone
+--nproc-per-node N -m vlmprobe.worker REQUEST`), the same for both device kinds; only the collective
+backend differs (cpu: gloo on real CPU tensors, cuda: nccl with one GPU per rank).
+
+Each rank joins the job's process group, measures as the single-GPU worker does, and writes its row to
+`rank<r>.json` beside the request. A rank that runs out of memory writes its `oom` row and exits at once
+with OOM_EXIT: torchrun then stops the other ranks (which would otherwise wait in a collective), and the
+point is `oom` naming that rank.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+OOM_EXIT = 75  # a rank's exit code after it wrote an `oom` row
+TAIL = 2000  # characters of stderr kept for a failed point
+
+
+def launch(config: dict, env: dict, timeout: float | None) -> tuple[dict[int, dict], dict | None]:
+    """Run the point as one job of dist.world_size ranks; (rank -> row for the ranks that wrote one, the
+    job's failure or None)."""
+    world = config["dist"]["world_size"]
+    with tempfile.TemporaryDirectory(prefix="vlmprobe-ranks-") as tmp:
+        request = Path(tmp) / "point.json"
+        request.write_text(json.dumps(config))
+        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
+                   "-m", "vlmprobe.worker", str(request)]
+        proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                                start_new_session=True)  # own process group: a timeout kills the whole job
+        failure = None
+        try:
+            _, stderr = proc.communicate(timeout=timeout)
+            if proc.returncode != 0:
+                failure = {"status": "crash", "error": f"torchrun exit code {proc.returncode}; stderr tail: "
+                                                       f"{stderr.strip()[-TAIL:]}"}
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            _, stderr = proc.communicate()
+            failure = {"status": "timeout", "error": f"no result after {timeout} s; stderr tail: {stderr[-TAIL:]}"}
+        rows = {r: json.loads(f.read_text()) for r in range(world) if (f := Path(tmp) / f"rank{r}.json").is_file()}
+    return rows, failure
+
+
+def run_rank(request: Path, measure) -> int:
+    """One rank of a launched job (in the process torchrun started): join the group, measure, write the row.
+    Returns the exit code."""
+    from vlmprobe import backends
+    from vlmprobe.distributed.process_group import real_group
+
+    point = json.loads(request.read_text())
+    backend = backends.get(point["measure"]["backend"])
+    backend.select_device(int(os.environ["LOCAL_RANK"]))  # before the group: nccl binds to the current device
+    with real_group(backend.device_type) as rank:
+        if point["measure"].get("snapshot_file"):  # one file per rank
+            point["measure"]["snapshot_file"] = point["measure"]["snapshot_file"].replace(".pickle", f".rank{rank}.pickle")
+        row = measure(point)
+        (request.parent / f"rank{rank}.json").write_text(json.dumps(row))
+        if row["status"] == "oom":  # the others wait for this rank in a collective: leave now, torchrun stops them
+            sys.stdout.flush()
+            os._exit(OOM_EXIT)
+    return 0

@@ -1,0 +1,97 @@
+"""Validate a point's `dist` config before any heavy work: one ConfigError line per bad value."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+from vlmprobe.errors import ConfigError
+
+TORCH_ENGINES = ("none", "ddp", "fsdp2")
+DEEPSPEED_ENGINES = ("zero1", "zero2", "zero3")
+OFFLOAD_DEVICES = ("none", "cpu")
+MP_DTYPES = (None, "float32", "bfloat16", "float16")
+
+
+def _positive_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
+def validate(dist: dict, backend: str, find, visible_gpus) -> None:
+    """`visible_gpus()` is asked only for backend cuda (it counts devices)."""
+    name, world = dist["name"], dist["world_size"]
+    if not _positive_int(world):
+        raise ConfigError(f"dist.world_size={world!r} is not allowed: it must be an integer >= 1")
+    if name == "none" and world != 1:
+        raise ConfigError(f"dist.world_size={world} is not allowed with dist=none: use dist=ddp, fsdp2, zero1, "
+                          f"zero2 or zero3 for more than one rank")
+    per_node = dist["ranks_per_node"]
+    if not _positive_int(per_node):
+        raise ConfigError(f"dist.ranks_per_node={per_node!r} is not allowed: it must be an integer >= 1")
+    if world > per_node and world % per_node:
+        raise ConfigError(f"dist.world_size={world} is not allowed with dist.ranks_per_node={per_node}: it must be "
+                          f"a multiple of ranks_per_node (whole nodes) or at most one node")
+    if name == "none":
+        return
+    if find:
+        raise ConfigError(f"dist={name} is not allowed with +find=max_batch: the max-batch search runs one GPU "
+                          f"(dist=none) only")
+    for key in ("offload_optimizer", "offload_param"):
+        if dist[key] not in OFFLOAD_DEVICES:
+            raise ConfigError(f"dist.{key}={dist[key]!r} is not allowed: use one of {', '.join(OFFLOAD_DEVICES)}")
+    if name == "ddp" and (dist["offload_optimizer"] != "none" or dist["offload_param"] != "none"):
+        raise ConfigError("dist.offload_* is not allowed with dist=ddp: DDP keeps everything on the GPU; use "
+                          "fsdp2 (offload_param=cpu) or zero1-3 for offload")
+    if name == "fsdp2":
+        if dist["offload_optimizer"] != "none":
+            raise ConfigError(f"dist.offload_optimizer={dist['offload_optimizer']} is not allowed with dist=fsdp2: "
+                              f"FSDP2 offloads params, grads and optimizer state together (dist.offload_param=cpu)")
+        for key in ("mp_param_dtype", "mp_reduce_dtype"):
+            if dist[key] not in MP_DTYPES:
+                raise ConfigError(f"dist.{key}={dist[key]!r} is not allowed: use null, float32, bfloat16 or float16")
+        if dist["reshard_after_forward"] not in (None, True, False):
+            raise ConfigError(f"dist.reshard_after_forward={dist['reshard_after_forward']!r} is not allowed: use "
+                              f"null (FSDP2's default), true or false")
+    if name in DEEPSPEED_ENGINES:
+        if dist["offload_param"] != "none" and dist["stage"] != 3:
+            raise ConfigError(f"dist.offload_param={dist['offload_param']} is not allowed with dist={name}: "
+                              f"DeepSpeed offloads parameters at ZeRO stage 3 only")
+        if dist["deepspeed_config"] is not None:
+            read_deepspeed_config(dist["deepspeed_config"])
+    if backend == "cuda" and world > (gpus := visible_gpus()):
+        raise ConfigError(f"dist.world_size={world} is not allowed with backend cuda: it needs {world} GPUs and "
+                          f"{gpus} are visible here (use backend estimate for any world size)")
+
+
+def read_deepspeed_config(path) -> dict:
+    """A user's DeepSpeed JSON, checked: the file exists, is JSON, and names a ZeRO stage within 0-3."""
+    file = Path(path)
+    if not file.is_file():
+        raise ConfigError(f"dist.deepspeed_config={path} is not allowed: no such file")
+    try:
+        config = json.loads(file.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"dist.deepspeed_config={path} is not allowed: not JSON ({exc})") from None
+    if not isinstance(config, dict):
+        raise ConfigError(f"dist.deepspeed_config={path} is not allowed: it must hold a JSON object")
+    stage = (config.get("zero_optimization") or {}).get("stage", 0)
+    if stage not in (0, 1, 2, 3) or isinstance(stage, bool):
+        raise ConfigError(f"dist.deepspeed_config={path} is not allowed: zero_optimization.stage={stage!r}, "
+                          f"DeepSpeed's ZeRO stages are 0-3")
+    return config
+
+
+def skip_reason(dist: dict, backend: str) -> str | None:
+    """Why a point's engine cannot run on `backend` here; its row is `skipped` with this reason."""
+    name = dist["name"]
+    if name.startswith("zero") and importlib.util.find_spec("deepspeed") is None:
+        return f"dist={name} needs DeepSpeed, not installed here: pip install -e \".[deepspeed]\""
+    if name == "ddp" and backend == "estimate":
+        return ("dist=ddp cannot be estimated: DDP's C++ reducer reads tensor data, which fake tensors have none "
+                "of; use backend cpu (real tensors on gloo) or cuda")
+    offload = [k for k in ("offload_optimizer", "offload_param") if dist.get(k, "none") != "none"]
+    if offload and backend != "cuda":
+        return (f"dist.{offload[0]}=cpu needs backend cuda: where the device is the CPU, offloaded tensors cannot "
+                f"be told apart from device memory")
+    return None
