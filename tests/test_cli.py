@@ -8,7 +8,7 @@ import time
 import pandas as pd
 import pytest
 
-from conftest import REPO, run_cli
+from conftest import run_cli
 
 
 def results_dir(root):

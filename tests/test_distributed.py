@@ -8,13 +8,11 @@ import pandas as pd
 import pytest
 import torch
 from hydra.utils import instantiate
-from omegaconf import OmegaConf
 
 from conftest import run_cli
 from vlmprobe.distributed import options
 from vlmprobe.distributed.ranks import RANK_VALUE_COLUMNS, measure_point, point_row, rank_groups
 from vlmprobe.errors import ConfigError
-from vlmprobe.plan import plan
 from vlmprobe.worker import measure
 
 BYTES = [c for c in RANK_VALUE_COLUMNS if c.endswith("_bytes") and c not in (

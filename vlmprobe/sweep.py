@@ -11,15 +11,13 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import signal
-import subprocess
 import sys
 import traceback
 from pathlib import Path
 
 from tqdm import tqdm
 
-from vlmprobe import backends, interrupt
+from vlmprobe import backends, child, interrupt
 from vlmprobe.distributed.ranks import RankWriter, measure_point
 from vlmprobe.results import RowWriter, mib, read_table
 from vlmprobe.worker import RAISED, ROW_PREFIX, measure
@@ -48,25 +46,18 @@ def worker_env(config: dict) -> dict:
 
 def call_worker(request: dict, env: dict, timeout: float | None) -> dict:
     """Run `python -m vlmprobe.worker` on one request; its result, or a failed row."""
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "vlmprobe.worker"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE, text=True, env=env, start_new_session=True,  # own group: a timeout kills it whole
-    )
-    try:
-        stdout, stderr = proc.communicate(json.dumps(request), timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        _, stderr = proc.communicate()
+    code, stdout, stderr = child.run([sys.executable, "-m", "vlmprobe.worker"], json.dumps(request), env, timeout)
+    if code is None:
         return {"status": "timeout", "error": f"no result after {timeout} s; stderr tail: {stderr[-TAIL:]}"}
     lines = [line for line in stdout.splitlines() if line.startswith(ROW_PREFIX)]
-    how = f"killed by signal {-proc.returncode}" if proc.returncode < 0 else f"exit code {proc.returncode}"
+    how = f"killed by signal {-code}" if code < 0 else f"exit code {code}"
     if lines:
         row = json.loads(lines[-1][len(ROW_PREFIX):])
-        if proc.returncode != 0:  # died after its row was out (e.g. CUDA teardown at exit): the figures stand
+        if code != 0:  # died after its row was out (e.g. CUDA teardown at exit): the figures stand
             exit_note = f"worker {how} after printing its row; stderr tail: {stderr.strip()[-TAIL:]}"
             row["notes"] = "; ".join(n for n in (row.get("notes"), exit_note) if n)
         return row
-    if proc.returncode == RAISED:
+    if code == RAISED:
         return {"status": "error", "error": stderr.strip()[-TAIL:]}
     return {"status": "crash", "error": f"worker {how}; stderr tail: {stderr.strip()[-TAIL:]}"}
 

@@ -12,11 +12,11 @@ from __future__ import annotations
 
 import json
 import os
-import signal
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
+
+from vlmprobe import child
 
 OOM_EXIT = 75  # a rank's exit code after it wrote an `oom` row
 TAIL = 2000  # characters of stderr kept for a failed point
@@ -31,18 +31,12 @@ def launch(config: dict, env: dict, timeout: float | None) -> tuple[dict[int, di
         request.write_text(json.dumps(config))
         command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
                    "-m", "vlmprobe.worker", str(request)]
-        proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
-                                start_new_session=True)  # own process group: a timeout kills the whole job
+        code, _, stderr = child.run(command, None, env, timeout)  # its own group: a timeout ends the whole job
         failure = None
-        try:
-            _, stderr = proc.communicate(timeout=timeout)
-            if proc.returncode != 0:
-                failure = {"status": "crash", "error": f"torchrun exit code {proc.returncode}; stderr tail: "
-                                                       f"{stderr.strip()[-TAIL:]}"}
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            _, stderr = proc.communicate()
+        if code is None:
             failure = {"status": "timeout", "error": f"no result after {timeout} s; stderr tail: {stderr[-TAIL:]}"}
+        elif code != 0:
+            failure = {"status": "crash", "error": f"torchrun exit code {code}; stderr tail: {stderr.strip()[-TAIL:]}"}
         rows = {r: json.loads(f.read_text()) for r in range(world) if (f := Path(tmp) / f"rank{r}.json").is_file()}
     return rows, failure
 

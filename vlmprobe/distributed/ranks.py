@@ -93,20 +93,19 @@ def simulate_rank(config: dict, rank: int, measure) -> dict:
 def simulate_elsewhere(config: dict, rank: int) -> dict:
     """simulate_rank in a fresh `python -m vlmprobe.distributed.ranks RANK` (the point's config on stdin)."""
     import json
-    import subprocess
     import sys
 
+    from vlmprobe import child
+
     timeout = config["measure"]["timeout_s"]
-    try:
-        proc = subprocess.run([sys.executable, "-m", "vlmprobe.distributed.ranks", str(rank)], input=json.dumps(config),
-                              capture_output=True, text=True, timeout=timeout)
-    except subprocess.TimeoutExpired:
+    command = [sys.executable, "-m", "vlmprobe.distributed.ranks", str(rank)]
+    code, stdout, stderr = child.run(command, json.dumps(config), None, timeout)
+    if code is None:
         return {"status": "timeout", "error": f"rank {rank}'s simulation gave no result after {timeout} s"}
-    lines = [line for line in proc.stdout.splitlines() if line.startswith(SIMULATED)]
+    lines = [line for line in stdout.splitlines() if line.startswith(SIMULATED)]
     if lines:
         return json.loads(lines[-1][len(SIMULATED):])
-    return {"status": "crash", "error": f"rank {rank}'s simulation exited {proc.returncode}; stderr tail: "
-                                       f"{proc.stderr.strip()[-TAIL:]}"}
+    return {"status": "crash", "error": f"rank {rank}'s simulation exited {code}; stderr tail: {stderr.strip()[-TAIL:]}"}
 
 
 SIMULATED = "VLMPROBE_SIMULATED_RANK "  # prefix of the row line a fresh simulation prints

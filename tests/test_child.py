@@ -1,0 +1,55 @@
+"""Child processes in a group of their own: a timeout or a Ctrl-C of the sweep ends the whole group."""
+
+import signal
+import time
+
+import pytest
+
+from vlmprobe import child
+
+
+def alive(pid: int) -> bool:
+    """Running, not a zombie (a killed orphan may wait for a reaper that a container does not have)."""
+    try:
+        state = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return False
+    return state != "Z"
+
+
+def started_grandchild(tmp_path) -> list[str]:
+    """A shell that starts a long sleep (a grandchild, as torchrun starts ranks) and waits for it."""
+    return ["sh", "-c", f"sleep 60 & echo $! > {tmp_path}/pid; wait"]
+
+
+def grandchild(tmp_path) -> int:
+    for _ in range(100):
+        if (tmp_path / "pid").exists() and (tmp_path / "pid").read_text().strip():
+            return int((tmp_path / "pid").read_text())
+        time.sleep(0.05)
+    raise AssertionError("the grandchild never started")
+
+
+def test_a_child_past_its_timeout_is_killed_with_everything_it_started(tmp_path):
+    code, _, _ = child.run(started_grandchild(tmp_path), None, None, timeout=1)
+    assert code is None
+    pid = grandchild(tmp_path)
+    time.sleep(0.2)
+    assert not alive(pid)
+
+
+def test_ctrl_c_of_the_sweep_ends_the_childs_whole_group_then_goes_on(tmp_path):
+    def interrupt(*_):
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGALRM, interrupt)  # stands in for the terminal's SIGINT to our group only
+    signal.alarm(1)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            child.run(started_grandchild(tmp_path), None, None, timeout=30)
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+    pid = grandchild(tmp_path)
+    time.sleep(0.2)
+    assert not alive(pid)
