@@ -166,10 +166,13 @@ def write(tmp_path, name, text):
 
 
 @pytest.mark.parametrize("case", ["world 0", "not whole nodes", "none with 2 ranks", "missing json", "not json",
-                                  "stage 5", "ddp offload", "fsdp2 optimizer offload", "find", "offload param zero2"])
+                                  "stage 5", "ddp offload", "fsdp2 optimizer offload", "find", "offload param zero2",
+                                  "unknown engine name", "engine name without its keys"])
 def test_bad_dist_input_is_one_line_naming_the_value(plan_points, tmp_path, case):
     cases = {
         "world 0": (["dist=fsdp2", "dist.world_size=0"], "dist.world_size=0 is not allowed"),
+        "unknown engine name": (["dist.name=-1"], "dist.name=-1 is not allowed: choose the engine with dist=OPTION"),
+        "engine name without its keys": (["dist.name=fsdp2"], "dist.name=fsdp2 is not allowed: the other dist keys"),
         "not whole nodes": (["dist=fsdp2", "dist.world_size=12"], "dist.world_size=12 is not allowed with dist.ranks_per_node=8"),
         "none with 2 ranks": (["dist.world_size=2"], "dist.world_size=2 is not allowed with dist=none"),
         "missing json": (["dist=zero3", f"dist.deepspeed_config={tmp_path}/nope.json"], "no such file"),

@@ -20,6 +20,7 @@ def _positive_int(value) -> bool:
 
 def validate(dist: dict, backend: str, find, visible_gpus) -> None:
     """`visible_gpus()` is asked only for backend cuda (it counts devices)."""
+    check_engine_name(dist)
     name, world = dist["name"], dist["world_size"]
     if not _positive_int(world):
         raise ConfigError(f"dist.world_size={world!r} is not allowed: it must be an integer >= 1")
@@ -62,6 +63,23 @@ def validate(dist: dict, backend: str, find, visible_gpus) -> None:
     if backend == "cuda" and world > (gpus := visible_gpus()):
         raise ConfigError(f"dist.world_size={world} is not allowed with backend cuda: it needs {world} GPUs and "
                           f"{gpus} are visible here (use backend estimate for any world size)")
+
+
+def check_engine_name(dist: dict) -> None:
+    """dist.name is set by choosing a `dist` option, whose file also gives the engine's keys: a name set on its
+    own names an engine without them."""
+    from omegaconf import OmegaConf
+
+    from vlmprobe.overrides import CONF
+
+    name, engines = dist.get("name"), (*TORCH_ENGINES, *DEEPSPEED_ENGINES)
+    if name not in engines:
+        raise ConfigError(f"dist.name={name!r} is not allowed: choose the engine with dist=OPTION, one of "
+                          f"{', '.join(engines)}")
+    missing = set(OmegaConf.load(CONF / "dist" / f"{name}.yaml")) - set(dist)
+    if missing:
+        raise ConfigError(f"dist.name={name} is not allowed: the other dist keys are another engine's (no "
+                          f"{', '.join(sorted(missing))}); choose the engine with dist={name}")
 
 
 def read_deepspeed_config(path) -> dict:
