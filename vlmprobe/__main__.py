@@ -249,6 +249,11 @@ def main(argv: list[str] | None = None) -> int:
         print(__doc__.strip() + "\n\nSee README.md for the config keys and sweeps.")
         return 0
     state: dict = {"out_dir": None}  # where rows go, once there is such a place
+    import logging
+
+    # A library's log call that cannot format its own message (transformers, given a strange setting) makes the
+    # logging module print a traceback of its own; the setting's refusal is the line the user needs
+    logging.raiseExceptions = False
     from vlmprobe import interrupt
 
     with interrupt.watching():
