@@ -30,7 +30,7 @@ import functools
 import torch
 import torch.distributed as torch_dist
 
-from vlmprobe.distributed.engines import Engine, _storage_bytes
+from vlmprobe.distributed.engines import Engine, storage_bytes
 from vlmprobe.distributed.options import read_deepspeed_config
 from vlmprobe.step import make_optimizer
 
@@ -151,7 +151,7 @@ class DeepSpeedEngine(Engine):
 
     def params_bytes(self) -> int:
         # stage 3: this rank's partition (ds_tensor) and the persistent params; stages 1-2: the flat copy
-        return _storage_bytes(getattr(p, "ds_tensor", p) for p in self.model.module.parameters())
+        return storage_bytes(getattr(p, "ds_tensor", p) for p in self.model.module.parameters())
 
     def grads_bytes(self) -> int:
         optimizer = self.optimizer
@@ -159,7 +159,7 @@ class DeepSpeedEngine(Engine):
         averaged = getattr(optimizer, "averaged_gradients", None) or {}
         tensors = [b for b in buffers if isinstance(b, torch.Tensor)]
         tensors += [g for grads in averaged.values() for g in (grads or []) if isinstance(g, torch.Tensor)]
-        return _storage_bytes(t for t in tensors if t.device.type == self.device.type)
+        return storage_bytes(t for t in tensors if t.device.type == self.device.type)
 
     def state_tensors(self) -> list[torch.Tensor]:
         """The inner (torch) optimizer's state over this rank's fp32 partition; none on the device when the

@@ -21,7 +21,7 @@ from torch import nn
 from vlmprobe.step import make_optimizer, state_tensors
 
 
-def _storage_bytes(tensors) -> int:
+def storage_bytes(tensors) -> int:
     """Bytes of the distinct storages behind `tensors` (views into one flat buffer count it once)."""
     storages = {}
     for t in tensors:
@@ -133,7 +133,7 @@ class FSDP2Engine(Engine):
 
     def grads_bytes(self):
         # FSDP2 reduce-scatters a block's grads into one buffer and keeps views of it: count each buffer once
-        return _storage_bytes(self.local(p.grad) for p in self.model.parameters() if p.grad is not None)
+        return storage_bytes(self.local(p.grad) for p in self.model.parameters() if p.grad is not None)
 
     def state_tensors(self):
         return [self.local(t) for t in super().state_tensors()]
