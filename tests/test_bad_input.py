@@ -23,7 +23,7 @@ def cli(tmp_path, monkeypatch, capsys):
     return _run
 
 
-ISSUE_9 = {
+BAD_INPUT = {
     "negative lr": (["model=nanovlm_tiny", "optimizer.lr=-1"],
                     "optimizer.lr=-1 is not allowed: torch.optim.AdamW refuses it: Invalid learning rate: -1"),
     "betas not a key of the option": (["model=nanovlm_tiny", "optimizer.betas=[2,3]"],
@@ -58,12 +58,25 @@ ISSUE_9 = {
     "max_points not positive": (["sweep.max_points=0"], "sweep.max_points=0 is not allowed: it must be a positive integer"),
     "alloc_conf not text": (["measure.alloc_conf=[1]"], "measure.alloc_conf=[1] is not allowed"),
     "resume of no dir": (["resume=/nonexistent/dir"], "resume=/nonexistent/dir is not allowed: it is not a directory"),
+    # the first bad inputs the command refused (before issue 9)
+    "unknown sweep": (["+sweep=nope"], "sweep='nope' is not allowed: use one of"),
+    "sweep without +": (["sweep=smoke"], "sweep=smoke is not allowed: a sweep is added to the config, write +sweep=smoke"),
+    "batch size 0": (["data.batch_size=0"], "data.batch_size=0 is not allowed: it must be a positive integer"),
+    "too short for the image": (["data.lm_max_length=40"], "data.lm_max_length=40 is too short for nanovlm_222m: the images take 49 tokens"),
+    "pixels out of range": (["data.image_size=300"], "data.image_size=300 is not allowed for nanovlm_222m"),
+    "axis not a config key": (["+sweep=smoke", "+sweep.axes.data.nope=[1,2]"], "sweep axis 'data.nope' is not allowed: it is not a key of the config"),
+    "cuda without a GPU": (["measure.backend=cuda"], "measure.backend=cuda is not allowed here: no CUDA GPU is visible"),
+    "unknown backend": (["measure.backend=tpu"], "measure.backend='tpu' is not allowed: use one of auto, cuda, cpu, estimate"),
 }
 
 
-@pytest.mark.parametrize("case", ISSUE_9)
+@pytest.mark.parametrize("case", BAD_INPUT)
 def test_bad_input_is_one_line_naming_the_value_and_nothing_is_written(cli, tmp_path, case):
-    args, message = ISSUE_9[case]
+    import torch
+
+    if case == "cuda without a GPU" and torch.cuda.is_available():
+        pytest.skip("a GPU is visible")
+    args, message = BAD_INPUT[case]
     code, lines = cli(args)
     assert code == 2
     assert len(lines) == 1 and lines[0].startswith("vlmprobe: ") and message in lines[0], lines
@@ -136,3 +149,22 @@ def test_resume_compares_only_what_decides_the_rows(tmp_path):
     check_resume(tmp_path, now)  # where the rows go and how many points are allowed decide no row
     with pytest.raises(ConfigError, match=r"differs in: data.batch_size, sweep.axes.data.batch_size\)"):
         check_resume(tmp_path, {**now, "data": {"batch_size": 2}, "sweep": {**now["sweep"], "axes": {"data": {"batch_size": [1]}}}})
+
+
+def test_an_interrupt_between_making_the_dir_and_its_config_leaves_nothing_and_says_so(tmp_path):
+    """The race CI met: Ctrl-C after the results dir is made but before its config.yaml is whole. The dir is
+    removed (nothing in it to resume) and the line says nothing was written; once the config exists, the line
+    names the dir and the resume command."""
+    from vlmprobe.__main__ import interrupted_line
+
+    made = tmp_path / "smoke" / "20261123-000000"
+    made.mkdir(parents=True)
+    (made / "config.yaml.partial").write_text("measure: {")
+    assert interrupted_line(["+sweep=smoke"], made) == "vlmprobe: interrupted before any point ran; nothing was written"
+    assert not made.exists()
+
+    made.mkdir()
+    (made / "config.yaml").write_text("{}\n")
+    line = interrupted_line(["+sweep=smoke", "resume=old"], made)
+    assert line == (f"vlmprobe: interrupted: 0 rows kept in {made / 'results.csv'}; "
+                    f"resume with: python -m vlmprobe +sweep=smoke resume={made}")

@@ -3,8 +3,8 @@ again, then resumed, ends with the table an uninterrupted run makes, row for row
 deterministic in bytes; only step_time_s, a wall time, may differ). A SIGINT always ends in one line that
 says how many rows are kept, where, and the command that resumes, and that command is the one run next.
 
-Bounded: the faults stop after FAULT_BUDGET_S seconds (the seed is printed, to replay a failure with
-VLMPROBE_FAULT_SEED).
+Bounded: the faults stop after FAULT_BUDGET_S seconds. The moments come from a fixed seed (CI sees the same
+choices every run; the timing of the machine still varies them); VLMPROBE_FAULT_SEED picks others.
 """
 
 import os
@@ -24,7 +24,7 @@ from vlmprobe.__main__ import main
 from vlmprobe.results import read_table
 
 SWEEP = ["+sweep=smoke", "measure.steps=1", "measure.backend=estimate"]  # 4 points of the tiny nanoVLM
-FAULT_BUDGET_S = 30
+FAULT_BUDGET_S = 20
 TIMING_COLUMNS = ["step_time_s"]
 NATIVE_ABORT = "terminate called after throwing an instance of 'pybind11::error_already_set'"
 
@@ -44,7 +44,7 @@ def only_dir(root: Path) -> Path | None:
 
 
 def test_sigint_and_sigkill_at_random_moments_then_resume_give_the_uninterrupted_table(tmp_path, monkeypatch, capsys):
-    seed = int(os.environ.get("VLMPROBE_FAULT_SEED", time.time_ns() % 2**32))
+    seed = int(os.environ.get("VLMPROBE_FAULT_SEED", 20261123))
     print(f"VLMPROBE_FAULT_SEED={seed}")
     rng = random.Random(seed)
     monkeypatch.chdir(tmp_path)

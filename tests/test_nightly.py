@@ -54,6 +54,7 @@ def write_baseline(tmp_path, peak_bytes):
     return out
 
 
+@pytest.mark.slow  # the whole seq_len sweep of nanoVLM-222M (~100 s here); test_finding.py runs it in CI
 def test_nightly_runs_both_sweeps_the_finding_check_and_the_gate(tmp_path):
     write_baseline(tmp_path, 2**30)  # 1 GiB: far above the tiny model's few MiB, so nothing grew
     proc = nightly(tmp_path)
@@ -74,6 +75,9 @@ def test_nightly_goes_on_after_a_failed_step_and_exits_non_zero(tmp_path):
     proc = nightly(tmp_path, VLMPROBE_SEQ_LEN_ARGS="model=nanovlm_tiny sweep.axes.data.batch_size=[1] "
                                                    "sweep.axes.data.lm_max_length=[32]")
     assert proc.returncode == 1
+    (seq_len,) = (tmp_path / "nightly" / "seq_len").iterdir()  # both sweeps ran and wrote their reports
+    (image_size,) = (tmp_path / "nightly" / "qwen2_vl_image_size").iterdir()
+    assert (seq_len / "summary.md").is_file() and (image_size / "summary.md").is_file()
     assert "nightly: 2 step(s) failed:" in proc.stderr
     assert "- finding check on" in proc.stderr and "- regression gate:" in proc.stderr
     assert "GREW" in proc.stdout

@@ -71,7 +71,12 @@ def run(cfg, overrides: list[str], compose, state: dict) -> int:
         except OSError as exc:
             raise ConfigError(f"results_dir={base['results_dir']} is not allowed: {out_dir} cannot be made there "
                               f"({exc.strerror}); give a directory you can write") from None
-        (out_dir / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.create({k: v for k, v in base.items() if k != "resume"})))
+        # Known before its config exists, so that a Ctrl-C from here on is told about the dir (interrupted_line
+        # removes it while it has no config.yaml); the config appears whole or not at all
+        state["out_dir"] = out_dir
+        partial = out_dir / "config.yaml.partial"
+        partial.write_text(OmegaConf.to_yaml(OmegaConf.create({k: v for k, v in base.items() if k != "resume"})))
+        partial.replace(out_dir / "config.yaml")
     state["out_dir"] = out_dir
     say(f"vlmprobe: {what}, backend {backend}, results in {out_dir}")
     env = {**environment(describe_backend(backend, planned[0].config), base), "overrides": overrides}
@@ -207,6 +212,12 @@ def check_resume(out_dir: Path, base: dict) -> None:
 
 def interrupted_line(argv: list[str], out_dir: Path | None) -> str:
     """What an interrupted command leaves, and the command that continues it."""
+    if out_dir is not None and {p.name for p in out_dir.iterdir()} <= {"config.yaml.partial"}:
+        # made a moment ago, before its config was whole: nothing in it to resume
+        import shutil
+
+        shutil.rmtree(out_dir, ignore_errors=True)
+        out_dir = None
     if out_dir is None:
         return "vlmprobe: interrupted before any point ran; nothing was written"
     from vlmprobe.results import read_table
