@@ -16,7 +16,7 @@ import pandas as pd
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from vlmprobe.__main__ import CONF
+from vlmprobe.overrides import CONF
 from vlmprobe.distributed.ranks import RANK_VALUE_COLUMNS, measure_point
 from vlmprobe.plan import plan
 from vlmprobe.results import MiB
