@@ -19,7 +19,7 @@ STAGE3 = ["dist.stage3_prefetch_bucket_size=20000", "dist.stage3_param_persisten
 # the step), cause not found. The point's peak is equal to the byte.
 TOLERANCE = 16 * 1024
 BYTES = ("peak_allocated_bytes", "last_step_peak_allocated_bytes", "forward_peak_bytes", "backward_peak_bytes",
-         "optimizer_peak_bytes", "after_load_bytes", "activations_bytes", "params_bytes", "grads_bytes",
+         "optimizer_peak_bytes", "after_load_bytes", "after_step_bytes", "activations_bytes", "params_bytes", "grads_bytes",
          "optimizer_state_bytes")
 
 

@@ -6,7 +6,7 @@ import pytest
 from vlmprobe.worker import measure
 
 BYTE_COLUMNS = ("peak_allocated_bytes", "last_step_peak_allocated_bytes", "forward_peak_bytes", "backward_peak_bytes",
-                "optimizer_peak_bytes", "after_load_bytes", "activations_bytes", "grads_bytes", "optimizer_state_bytes",
+                "optimizer_peak_bytes", "after_load_bytes", "after_step_bytes", "activations_bytes", "grads_bytes", "optimizer_state_bytes",
                 "params_bytes")
 SETTINGS = {
     "fp32": ["train.autocast_dtype=null"],

@@ -28,7 +28,8 @@ def run(plan_points):
 def tower_params(compose):
     spec = instantiate(compose(["model=nanovlm_tiny"]).model, _convert_="all")
     model = spec.build("meta", torch.float32, init=False)
-    return {"all": count_params(model)[0], "vision": count_params(model.vision)[0], "lm": count_params(model.lm)[0]}
+    return {"all": count_params(model)[0], "vision": count_params(model.vision)[0], "lm": count_params(model.lm)[0],
+            "tensors": len(list(model.parameters()))}
 
 
 def same(a, b, keys):
@@ -73,6 +74,15 @@ def test_optimizer_state_is_its_number_of_moments_times_the_weights(run, tower_p
     assert inputs["optimizer"] == label
     assert row["optimizer_state_bytes"] == moments * 4 * tower_params["all"]
     assert row["optimizer_state_dtype"] == "float32"
+
+
+def test_between_steps_the_loop_carries_the_weights_grads_and_optimizer_state_it_loaded_plus_nothing_else(run, tower_params):
+    """after_step - after_load = the grads (not zeroed until the next step) and AdamW's two moments, each a
+    hand count of the fp32 weights: 4 B x (1 + 2) per trainable parameter; the batch and weights were there at
+    load. The allocator rounds each tensor up to 512 B, at most 511 B per tensor over the hand count."""
+    _, row = run("optimizer=adamw_fused", "measure.steps=2")
+    carried = row["after_step_bytes"] - row["after_load_bytes"]
+    assert 0 <= carried - 4 * 3 * tower_params["all"] < 511 * 3 * tower_params["tensors"]
 
 
 def test_foreach_adamw_needs_a_params_sized_temporary_that_fused_and_single_tensor_do_not(run, tower_params):

@@ -140,7 +140,7 @@ def test_tiny_model_trains_one_step_with_the_shifted_causal_lm_loss(spec):
 
 
 BYTE_COLUMNS = ("peak_allocated_bytes", "forward_peak_bytes", "backward_peak_bytes", "optimizer_peak_bytes",
-                "after_load_bytes", "activations_bytes", "grads_bytes", "optimizer_state_bytes", "params_bytes")
+                "after_load_bytes", "after_step_bytes", "activations_bytes", "grads_bytes", "optimizer_state_bytes", "params_bytes")
 
 
 @pytest.mark.parametrize("setting", [

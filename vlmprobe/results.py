@@ -27,7 +27,9 @@ OUTPUT_COLUMNS = [
     "max_rank", "min_rank_peak_allocated_bytes", "rank_imbalance",  # rank of the peak; lowest rank peak; max / min
     "peak_reserved_bytes", "last_step_peak_reserved_bytes", "peak_active_bytes",
     "num_alloc_retries", "num_ooms", "nvml_used_bytes", "nvml_process_bytes",
-    "after_load_bytes", "forward_peak_bytes", "backward_peak_bytes", "optimizer_peak_bytes", "peak_phase",
+    "after_load_bytes",
+    "after_step_bytes",  # allocated after the last optimizer step: what a training loop carries between steps
+    "forward_peak_bytes", "backward_peak_bytes", "optimizer_peak_bytes", "peak_phase",
     "params_bytes", "grads_bytes", "optimizer_state_bytes", "optimizer_state_dtype", "activations_bytes",
     "oom_block_bytes",  # oom rows: the block the allocator was asked for (the tensor's bytes rounded up to 512)
     "oom_segment_bytes",  # oom rows: the segment it tried to reserve for it (the size CUDA's message prints)

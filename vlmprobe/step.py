@@ -39,6 +39,7 @@ class StepReport:
     phase_peaks: dict[str, int] = field(default_factory=dict)  # peak allocated per phase, max over steps
     peak_phase: str = ""  # the phase that holds the overall allocated peak
     activations_bytes: int = 0  # bytes the last forward left live for backward (saved tensors, logits, loss)
+    after_step_bytes: int = 0  # allocated once the last optimizer step is done: what the loop carries into the next step
     grads_bytes: int = 0
     optimizer_state_bytes: int = 0
     optimizer_state_dtype: str = ""  # dtypes of the optimizer state tensors, e.g. "float32"
@@ -120,6 +121,10 @@ def train_steps(spec, engine, batch, meter: Meter, steps: int, autocast, report:
         report.last_step_peaks = step_peaks
         for key, value in step_peaks.items():
             report.peaks[key] = max(report.peaks.get(key, 0), value)
+    # what stays between steps (weights, optimizer state, gradients not yet zeroed, the engine's persistent
+    # buffers, held outputs): read after the last step, once its queued kernels are done
+    meter.sync()
+    report.after_step_bytes = meter.current()
     report.peak_phase = max(PHASES, key=lambda p: report.phase_peaks[p])
     state = engine.state_tensors()
     report.optimizer_state_bytes = sum(t.untyped_storage().nbytes() for t in state)

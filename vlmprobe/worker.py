@@ -95,6 +95,7 @@ def _report_columns(report: StepReport) -> dict:
         **{f"{phase}_peak_bytes": report.phase_peaks.get(phase) for phase in ("forward", "backward", "optimizer")},
         "peak_phase": report.peak_phase or None,
         "activations_bytes": report.activations_bytes if done else None,
+        "after_step_bytes": report.after_step_bytes if done else None,
         "grads_bytes": report.grads_bytes if done else None,
         "optimizer_state_bytes": report.optimizer_state_bytes if done else None,
         "optimizer_state_dtype": report.optimizer_state_dtype or None,
