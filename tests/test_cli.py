@@ -92,7 +92,7 @@ def test_a_sweep_killed_mid_way_leaves_a_readable_csv_with_every_finished_row(tm
 
 
 BAD = {
-    "unknown model": (["model=nope"], "model='nope' is not allowed: use one of nanovlm_222m"),
+    "unknown model": (["model=nope"], "model='nope' is not allowed: use one of hf, llava_1_5_7b, llava_tiny, nanovlm_222m"),
     "unknown sweep": (["+sweep=nope"], "sweep='nope' is not allowed: use one of"),
     "sweep without +": (["sweep=smoke"], "sweep=smoke is not allowed: a sweep is added to the config, write +sweep=smoke"),
     "batch size 0": (["data.batch_size=0"], "data.batch_size=0 is not allowed: it must be a positive integer"),
