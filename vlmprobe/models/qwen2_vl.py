@@ -27,7 +27,8 @@ so the model runs unchanged. The M-RoPE position_ids are computed by the collato
 the model's get_rope_index builds them from fresh aranges, which fake mode cannot make constant.
 
 Qwen2.5-VL (qwen2_5_vl.py) is this family with another vision tower: the same processor, the same batch
-plus its window-attention index; it subclasses Qwen2VLSpec through the hooks marked below.
+plus its window-attention index. It subclasses Qwen2VLSpec, overriding config_class, model_class and
+vision_inputs.
 """
 
 from __future__ import annotations
@@ -130,8 +131,8 @@ class Qwen2VLSpec(ModelSpec):
                    tie_word_embeddings=config.tie_word_embeddings, attn_implementation=attn_implementation)
 
     def vision_inputs(self, grids: list[tuple[int, int]], device: torch.device) -> dict:
-        """Extra forward inputs the vision tower needs for images of these (rows, cols) patch grids (none
-        here; Qwen2.5-VL's window index)."""
+        """Extra forward inputs the vision tower needs for images of these (rows, cols) patch grids: none
+        here (a hook for Qwen2.5-VL's window index)."""
         return {}
 
     # -- image geometry -------------------------------------------------------------------------------
