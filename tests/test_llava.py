@@ -52,7 +52,10 @@ def test_llava_1_5_7b_on_meta_has_the_published_parameter_count(spec):
 
 
 def test_a_336_px_image_is_576_tokens_and_the_tiny_one_16(spec):
-    assert spec("llava_1_5_7b").image_tokens(DataShape(1, 1024)) == 576  # (336 / 14)^2, class token dropped
+    llava = spec("llava_1_5_7b")
+    assert llava.image_tokens(DataShape(1, 1024)) == 576  # (336 / 14)^2, class token dropped
+    batch = llava.batch(DataShape(batch_size=2, lm_max_length=1024), CPU)  # the inputs alone: no model built
+    assert ((batch["input_ids"] == 32000).sum(dim=1) == 576).all() and batch["pixel_values"].shape == (2, 3, 336, 336)
     assert spec("llava_1_5_7b").image_tokens(DataShape(1, 2048, images_per_sample=3)) == 3 * 576
     assert spec("llava_tiny").image_tokens(DataShape(1, 64)) == 16  # (56 / 14)^2
 
