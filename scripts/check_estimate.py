@@ -28,7 +28,7 @@ TINY_SETTINGS = {
     "fp32 + bf16 autocast": [],
     "bf16 weights": ["train.param_dtype=bfloat16", "train.autocast_dtype=null"],
 }
-TINY_MODELS = ["nanovlm_tiny", "qwen2_vl_tiny"]
+TINY_MODELS = ["nanovlm_tiny", "qwen2_vl_tiny", "qwen2_5_vl_tiny", "llava_tiny"]
 CUDA_SWEEPS = ["seq_len", "qwen2_vl_image_size"]
 
 

@@ -7,23 +7,26 @@ import pytest
 import torch
 from hydra.utils import instantiate
 
-from conftest import CONF
+from conftest import CONF, TESTS
 from vlmprobe.models.base import count_params
 
 MODELS = sorted(p.stem for p in (CONF / "model").glob("*.yaml"))
 SWEEPS = sorted(p.stem for p in (CONF / "sweep").glob("*.yaml"))
+# model=hf builds from a config.json: here a tiny one in the Hub's layout (tests/data/hf, see test_hf.py)
+HF_TINY = TESTS / "data" / "hf" / "qwen2_5_vl_tiny"
+NEEDS = {"hf": [f"model.config={HF_TINY}"]}
 GROUPS = {g: sorted(p.stem for p in (CONF / g).glob("*.yaml")) for g in ("data", "train", "measure", "optimizer", "dist")}
 
 
 @pytest.mark.parametrize("model", MODELS)
 def test_every_model_config_composes_and_builds(compose, model):
-    cfg = compose([f"model={model}"])
+    cfg = compose([f"model={model}", *NEEDS.get(model, [])])
     spec = instantiate(cfg.model, _convert_="all")
-    tiny = "tiny" in model
+    tiny = "tiny" in spec.name
     built = spec.build(torch.device("cpu" if tiny else "meta"), torch.float32, init=tiny)
     params, trainable = count_params(built)
     assert params > 0 and trainable == params
-    assert spec.name == model
+    assert spec.name == (HF_TINY.name if model == "hf" else model)
 
 
 @pytest.mark.parametrize("sweep", SWEEPS)

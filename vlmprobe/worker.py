@@ -25,9 +25,17 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 
 def build_spec(model_cfg):
+    from hydra.errors import InstantiationException
     from hydra.utils import instantiate
 
-    return instantiate(model_cfg, _convert_="all")
+    from vlmprobe.errors import ConfigError
+
+    try:
+        return instantiate(model_cfg, _convert_="all")
+    except InstantiationException as exc:
+        if isinstance(exc.__cause__, ConfigError):  # the family's own one line (e.g. a model.config that is missing)
+            raise exc.__cause__ from None
+        raise
 
 
 def is_out_of_memory(exc: BaseException) -> bool:

@@ -86,14 +86,16 @@ class DDPEngine(Engine):
 
 
 def tower_blocks(spec, model: nn.Module) -> list[nn.Module]:
-    """The transformer blocks of each tower (`.blocks` for nanoVLM and Qwen2-VL's vision tower, `.layers`
-    for transformers' language models), in tower order."""
+    """The transformer blocks of each tower, in tower order: the first ModuleList named `blocks` or `layers`
+    inside each tower module (`.blocks` for nanoVLM and Qwen's vision towers, `.layers` for transformers'
+    language models, `.encoder.layers` for CLIP and SigLIP towers)."""
     found = []
     for modules in spec.towers(model).values():
         for module in modules:
-            for attr in ("blocks", "layers"):
-                if isinstance(getattr(module, attr, None), nn.ModuleList):
-                    found.extend(getattr(module, attr))
+            for name, child in module.named_modules():
+                if name.rsplit(".", 1)[-1] in ("blocks", "layers") and isinstance(child, nn.ModuleList):
+                    found.extend(child)
+                    break
     return found
 
 

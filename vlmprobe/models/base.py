@@ -112,3 +112,16 @@ def count_params(model: nn.Module) -> tuple[int, int]:
     """(all, trainable) parameters; `parameters()` yields a tied tensor once, so tied embeddings count once."""
     params = list(model.parameters())
     return sum(p.numel() for p in params), sum(p.numel() for p in params if p.requires_grad)
+
+
+# Bookkeeping keys of a transformers config that do not describe the architecture (or that vlmprobe sets
+# itself: the dtype per point, use_cache off for training)
+NOT_HYPERPARAMETERS = ("transformers_version", "architectures", "_name_or_path", "dtype", "torch_dtype", "use_cache")
+
+
+def hyperparameters(config) -> dict:
+    """A transformers (sub-)config's own settings as plain data: what differs from PreTrainedConfig's
+    generic defaults (every field of the model's class, plus any extra key its config.json had), without
+    bookkeeping. Building the same config class from it gives the same model."""
+    return {k: v for k, v in config.to_diff_dict().items() if k not in NOT_HYPERPARAMETERS}
+

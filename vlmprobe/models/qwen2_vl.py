@@ -22,36 +22,25 @@ given contiguous copies of q/k/v; it is not modelled here (no flash-attn kernel 
 
 Fake tensors (the estimate backend runs batch() and loss() inside FakeTensorMode): the forward reads
 values of small integer tensors (image_grid_thw.tolist(), cu_seqlens split sizes, the image-token count
-check in get_placeholder_mask). FakeTensorMode can answer those only for *constant* fake tensors (fakes
-that keep their real values), and it propagates constants only through ops whose outputs have at most
-CONSTANT_NUMEL_LIMIT (= 1) elements. batch() raises that limit to the batch's token count for as long as
-the batch lives (`hold_constant_limit`) and makes the integer inputs with torch.tensor(python data) --
-under the mode this gives constant fakes, on real backends ordinary tensors -- so every integer tensor
-derived from them in the forward (and in checkpointed recomputation) stays constant and the model runs
-unchanged. Constants are only these integer inputs, what is derived from them (masks, counts, cu_seqlens)
-and Python scalars; every activation derives from non-constant fakes, so no large real tensor is made.
-A constant is still charged by the tracker at its size, as CUDA would allocate it.
-The M-RoPE position_ids are computed by the collator (`mrope_position_ids`): the model's get_rope_index
-builds them from fresh aranges, which fake mode cannot make constant.
+check in get_placeholder_mask); batch() makes those inputs constant fakes (vlmprobe/models/fake_constants.py)
+so the model runs unchanged. The M-RoPE position_ids are computed by the collator (`mrope_position_ids`):
+the model's get_rope_index builds them from fresh aranges, which fake mode cannot make constant.
 
-Private torch API used: `torch._subclasses.fake_tensor.CONSTANT_NUMEL_LIMIT` (module global read by
-FakeTensorMode.may_turn_const at each op; present with the same meaning in torch 2.11-2.13), raised only
-while a batch made here is alive and restored when the last one dies. Nothing else private, no
-transformers patching.
+Qwen2.5-VL (qwen2_5_vl.py) is this family with another vision tower: the same processor, the same batch
+plus its window-attention index. It subclasses Qwen2VLSpec, overriding config_class, model_class and
+vision_inputs.
 """
 
 from __future__ import annotations
 
-import itertools
 import math
-import weakref
-from collections.abc import Callable
 
 import torch
 from torch import nn
 
 from vlmprobe.errors import ConfigError
-from vlmprobe.models.base import DataShape, ModelSpec
+from vlmprobe.models.base import DataShape, ModelSpec, hyperparameters
+from vlmprobe.models.fake_constants import constant_ints, hold_constant_limit, release_with
 
 IGNORE_INDEX = -100
 
@@ -73,31 +62,6 @@ def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixe
         h_bar = math.ceil(height * beta / factor) * factor
         w_bar = math.ceil(width * beta / factor) * factor
     return h_bar, w_bar
-
-
-_limit_requests: dict[int, int] = {}  # live requests for a raised CONSTANT_NUMEL_LIMIT: key -> numel
-_limit_keys = itertools.count()
-_limit_default = 1
-
-
-def hold_constant_limit(numel: int) -> Callable[[], None]:
-    """Inside FakeTensorMode, keep real values for tensors of up to `numel` elements derived from constant
-    fakes (see the module docstring) until the returned release() is called; no effect on real tensors.
-    Requests may overlap: the limit is the largest live one, and torch's own value once none is left."""
-    from torch._subclasses import fake_tensor
-
-    global _limit_default
-    if not _limit_requests:
-        _limit_default = fake_tensor.CONSTANT_NUMEL_LIMIT
-    key = next(_limit_keys)
-    _limit_requests[key] = numel
-    fake_tensor.CONSTANT_NUMEL_LIMIT = max([_limit_default, *_limit_requests.values()])
-
-    def release() -> None:
-        if _limit_requests.pop(key, None) is not None:
-            fake_tensor.CONSTANT_NUMEL_LIMIT = max([_limit_default, *_limit_requests.values()])
-
-    return release
 
 
 def mrope_position_ids(layout: list[tuple[str, int | tuple[int, int]]]) -> list[list[int]]:
@@ -124,8 +88,18 @@ def mrope_position_ids(layout: list[tuple[str, int | tuple[int, int]]]) -> list[
     return [t, h, w]
 
 
+# Qwen2-VL's preprocessor_config.json (the same for Qwen2.5-VL): a config.json read without one gets these
+MIN_PIXELS, MAX_PIXELS = 3136, 12845056  # 56 * 56; 16384 * 28 * 28 (transformers' class default is 1280 * 28 * 28)
+DEFAULT_IMAGE_SIZE = 448  # px per side when data.image_size is null (no native size): 1024 patches, 256 tokens
+TOKEN_KEYS = ("vision_start_token_id", "vision_end_token_id", "image_token_id", "video_token_id")
+
+
 class Qwen2VLSpec(ModelSpec):
     """Hydra target for conf/model/qwen2_vl_*.yaml."""
+
+    # -- what differs between Qwen2-VL and Qwen2.5-VL (subclasses override these) ------------------------
+    config_class = "Qwen2VLConfig"  # transformers classes, by name (imported when a model is built)
+    model_class = "Qwen2VLForConditionalGeneration"
 
     def __init__(self, name: str, image_size: int, min_pixels: int, max_pixels: int, token_ids: dict,
                  vision: dict, text: dict, tie_word_embeddings: bool, attn_implementation: str = "sdpa"):
@@ -139,6 +113,27 @@ class Qwen2VLSpec(ModelSpec):
         self.tie_word_embeddings = tie_word_embeddings
         self.attn_implementation = attn_implementation
         self.factor = self.vision["patch_size"] * self.vision["spatial_merge_size"]
+
+    @classmethod
+    def from_hf_config(cls, raw: dict, *, name: str, attn_implementation: str, preprocessor: dict | None):
+        """The spec of a model's config.json (`raw`), read through transformers' own config class (which
+        accepts both the flat layout of the Hub's configs and the nested one newer versions save, and the
+        legacy rope_scaling), and of its preprocessor_config.json where there is one (pixel bounds)."""
+        import transformers
+
+        config = getattr(transformers, cls.config_class)(**raw)
+        text, vision = config.text_config, config.vision_config
+        low, high = pixel_bounds_of(preprocessor or {})
+        return cls(name=name, image_size=DEFAULT_IMAGE_SIZE, min_pixels=low, max_pixels=high,
+                   token_ids={"bos_token_id": text.bos_token_id, "eos_token_id": text.eos_token_id,
+                              **{k: getattr(config, k) for k in TOKEN_KEYS}},
+                   vision=hyperparameters(vision), text=hyperparameters(text),
+                   tie_word_embeddings=config.tie_word_embeddings, attn_implementation=attn_implementation)
+
+    def vision_inputs(self, grids: list[tuple[int, int]], device: torch.device) -> dict:
+        """Extra forward inputs the vision tower needs for images of these (rows, cols) patch grids: none
+        here (a hook for Qwen2.5-VL's window index)."""
+        return {}
 
     # -- image geometry -------------------------------------------------------------------------------
     def pixel_bounds(self, data: DataShape) -> tuple[int, int]:
@@ -188,19 +183,19 @@ class Qwen2VLSpec(ModelSpec):
 
     # -- model ----------------------------------------------------------------------------------------
     def config(self):
-        from transformers import Qwen2VLConfig
+        import transformers
 
         text = {**self.text, "use_cache": False, "tie_word_embeddings": self.tie_word_embeddings,
                 "bos_token_id": self.token_ids["bos_token_id"], "eos_token_id": self.token_ids["eos_token_id"]}
         ids = {k: v for k, v in self.token_ids.items() if k not in ("bos_token_id", "eos_token_id")}
-        return Qwen2VLConfig(text_config=text, vision_config=dict(self.vision), **ids,
-                             tie_word_embeddings=self.tie_word_embeddings,
-                             attn_implementation=self.attn_implementation)
+        return getattr(transformers, self.config_class)(
+            text_config=text, vision_config=dict(self.vision), **ids, tie_word_embeddings=self.tie_word_embeddings,
+            attn_implementation=self.attn_implementation)
 
     def _construct(self) -> nn.Module:
-        from transformers import Qwen2VLForConditionalGeneration
+        import transformers
 
-        model = Qwen2VLForConditionalGeneration(self.config())
+        model = getattr(transformers, self.model_class)(self.config())
         model.tie_weights()  # post_init does not tie under no_init_weights; 2B shares lm_head with embed_tokens
         return model
 
@@ -239,27 +234,30 @@ class Qwen2VLSpec(ModelSpec):
         patch_values = (self.vision["in_channels"] * self.vision["temporal_patch_size"]
                         * self.vision["patch_size"] ** 2)
 
-        def ints(values) -> torch.Tensor:
-            # torch.tensor of Python data: a constant fake under FakeTensorMode (see hold_constant_limit).
-            # Its storage never passes the tracker (made without a dispatched allocation; the tracker skips
-            # fake mode's lift_fresh), but a collator's batch lives on the GPU: the clone allocates it through
-            # a dispatched op on every backend (and stays constant: clone of a constant is constant).
-            return torch.tensor(values, dtype=torch.long, device=device).clone()
-
         # The limit stays raised while the batch lives: the forward reads the constants, and so does the
         # backward when activation checkpointing recomputes vision blocks (cu_seqlens split sizes).
         release = hold_constant_limit(b * data.lm_max_length)
         batch = {
-            "input_ids": ints([input_ids] * b),
-            "labels": ints([labels] * b),
-            "mm_token_type_ids": ints([types] * b),
-            "position_ids": ints([[row] * b for row in positions]),  # (3, B, L)
-            "image_grid_thw": ints([[1, rows, cols]] * n_images),
+            "input_ids": constant_ints([input_ids] * b, device),
+            "labels": constant_ints([labels] * b, device),
+            "mm_token_type_ids": constant_ints([types] * b, device),
+            "position_ids": constant_ints([[row] * b for row in positions], device),  # (3, B, L)
+            "image_grid_thw": constant_ints([[1, rows, cols]] * n_images, device),
             "pixel_values": torch.randn(n_images * rows * cols, patch_values, dtype=torch.float32, device=device),
+            **self.vision_inputs([(rows, cols)] * n_images, device),
         }
-        weakref.finalize(batch["input_ids"], release)
+        release_with(batch["input_ids"], release)
         return batch
 
     def loss(self, model: nn.Module, batch: dict):
         outputs = model(**batch, attention_mask=None, use_cache=False)  # CausalLMOutputWithPast (loss, logits)
         return outputs.loss, outputs
+
+
+def pixel_bounds_of(preprocessor: dict) -> tuple[int, int]:
+    """(min_pixels, max_pixels) of a Qwen preprocessor_config.json: older files name them, newer ones (and
+    transformers 5) keep them as size.shortest_edge / size.longest_edge; the published values otherwise."""
+    size = preprocessor.get("size") or {}
+    low = preprocessor.get("min_pixels") or size.get("shortest_edge") or MIN_PIXELS
+    high = preprocessor.get("max_pixels") or size.get("longest_edge") or MAX_PIXELS
+    return int(low), int(high)

@@ -1,0 +1,134 @@
+"""What every model family must do, checked on the tiny variant of each family added after nanoVLM and
+Qwen2-VL (those two have their own tests): the estimate equals the cpu backend to the byte, and the knobs
+(freezing, checkpointing, LoRA) act on the towers the family names, with sizes counted independently from
+the built model's own modules."""
+
+import pytest
+import torch
+from hydra.utils import instantiate
+
+from vlmprobe.models.base import count_params
+from vlmprobe.worker import measure
+
+FAMILIES = {  # tiny config -> data that fits it (the images take 16 tokens in each)
+    "qwen2_5_vl_tiny": ["data.batch_size=2", "data.lm_max_length=64"],
+    "llava_tiny": ["data.batch_size=2", "data.lm_max_length=48"],
+}
+BYTE_COLUMNS = ("peak_allocated_bytes", "last_step_peak_allocated_bytes", "forward_peak_bytes", "backward_peak_bytes",
+                "optimizer_peak_bytes", "after_load_bytes", "activations_bytes", "grads_bytes", "optimizer_state_bytes",
+                "params_bytes")
+TRAINING_STATE = ("params_bytes", "grads_bytes", "optimizer_state_bytes")
+SETTINGS = {
+    "fp32": ["train.autocast_dtype=null"],
+    "fp32+bf16_autocast": ["train.autocast_dtype=bfloat16"],
+    "bf16_weights_3_samples_2_images": ["train.param_dtype=bfloat16", "train.autocast_dtype=null", "data.batch_size=3",
+                                        "data.images_per_sample=2", "data.lm_max_length=80"],
+    "checkpointing_lora_frozen_vision": ["train.grad_ckpt.lm=true", "train.grad_ckpt.vision=true", "train.lora_r=4",
+                                         "train.freeze_vision=true"],
+}
+
+
+def base(family, *extra):
+    return [f"model={family}", *FAMILIES[family], "measure.backend=estimate", *extra]
+
+
+@pytest.fixture
+def run(plan_points):
+    """run(overrides) -> (inputs, outputs) of one point."""
+
+    def _run(overrides):
+        (planned,) = plan_points(overrides)
+        return planned.inputs, measure(planned.config)
+
+    return _run
+
+
+@pytest.fixture
+def built(compose):
+    """built(family) -> (spec, model on the meta device)."""
+
+    def _built(family):
+        spec = instantiate(compose([f"model={family}"]).model, _convert_="all")
+        return spec, spec.build("meta", torch.float32, init=False)
+
+    return _built
+
+
+def tower_params(spec, model, tower) -> int:
+    return sum(count_params(m)[0] for m in spec.towers(model)[tower])
+
+
+@pytest.mark.parametrize("setting", SETTINGS)
+@pytest.mark.parametrize("family", FAMILIES)
+def test_estimate_equals_the_cpu_backend_to_the_byte(run, family, setting):
+    overrides = base(family, *SETTINGS[setting])
+    _, estimate = run(overrides)
+    _, cpu = run(overrides + ["measure.backend=cpu"])
+    assert cpu["status"] == estimate["status"] == "ok", (cpu.get("error"), estimate.get("error"))
+    assert {k: estimate[k] for k in BYTE_COLUMNS} == {k: cpu[k] for k in BYTE_COLUMNS}
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_the_towers_cover_every_parameter_but_the_projector(built, family):
+    spec, model = built(family)
+    towers = spec.towers(model)
+    in_towers = {id(p) for modules in towers.values() for m in modules for p in m.parameters()}
+    outside = {name.split(".")[1] for name, p in model.named_parameters() if id(p) not in in_towers}
+    # Qwen's merger lives inside its vision tower (frozen with it); LLaVA's projector is a module of its own
+    assert outside == ({"multi_modal_projector"} if family.startswith("llava") else set())
+
+
+@pytest.mark.parametrize("tower", ["vision", "lm"])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_freezing_a_tower_leaves_the_rest_trainable(plan_points, built, family, tower):
+    spec, model = built(family)
+    (planned,) = plan_points(base(family, f"train.freeze_{tower}=true"))
+    assert planned.inputs["params"] == count_params(model)[0]
+    assert planned.inputs["trainable_params"] == count_params(model)[0] - tower_params(spec, model, tower)
+
+
+@pytest.mark.parametrize("tower", ["vision", "lm"])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_checkpointing_a_tower_saves_activations_and_changes_no_training_state(run, family, tower):
+    _, plain = run(base(family))
+    inputs, ckpt = run(base(family, f"train.grad_ckpt.{tower}=true"))
+    assert ckpt["activations_bytes"] < plain["activations_bytes"]
+    assert {k: ckpt[k] for k in TRAINING_STATE} == {k: plain[k] for k in TRAINING_STATE}
+    assert inputs[f"grad_ckpt_{tower}"] is True
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_lora_adapts_the_lms_attention_and_freezes_only_the_base_lm(plan_points, built, family):
+    spec, model = built(family)
+    (planned,) = plan_points(base(family, "train.lora_r=4"))
+    text = spec.text
+    head_dim = text.get("head_dim") or text["hidden_size"] // text["num_attention_heads"]
+    d, q, kv = text["hidden_size"], text["num_attention_heads"] * head_dim, text["num_key_value_heads"] * head_dim
+    adapters = text["num_hidden_layers"] * 4 * ((d + q) + 2 * (d + kv) + (q + d))  # r (in + out): q, k, v, o
+    assert planned.inputs["trainable_params"] == count_params(model)[0] - tower_params(spec, model, "lm") + adapters
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_fsdp2_wraps_every_block_of_both_towers(built, family):
+    from vlmprobe.distributed.engines import tower_blocks
+
+    spec, model = built(family)
+    blocks = tower_blocks(spec, model)
+    text, vision = spec.text["num_hidden_layers"], spec.vision.get("depth") or spec.vision["num_hidden_layers"]
+    assert len(blocks) == vision + text and len({id(b) for b in blocks}) == len(blocks)
+
+
+@pytest.mark.slow  # two torchrun jobs of 2 gloo ranks: about 30 s
+@pytest.mark.parametrize("family", FAMILIES)
+def test_fsdp2_estimate_equals_real_gloo_ranks_to_the_byte(point, family):
+    import os
+
+    from vlmprobe.distributed.ranks import measure_point
+
+    ranks = {}
+    for backend in ("estimate", "cpu"):
+        cfg = point([f"model={family}", *FAMILIES[family], "dist=fsdp2", "dist.world_size=2", f"measure.backend={backend}"])
+        outputs = measure_point(cfg, measure, dict(os.environ))
+        assert outputs["status"] == "ok", outputs.get("error")
+        ranks[backend] = {r["rank"]: {k: r.get(k) for k in BYTE_COLUMNS} for r in outputs["ranks"]}
+    assert ranks["estimate"] == ranks["cpu"] and len(ranks["cpu"]) == 2

@@ -1,0 +1,138 @@
+"""model=hf model.config=PATH: a transformers config.json picks its family by model_type and builds the model
+its shipped YAML builds; every way the path can be wrong is one line; nothing is downloaded.
+
+tests/data/hf/ holds config.json files in the Hub's own layouts (flat Qwen configs with the legacy
+rope_scaling and in_chans, LLaVA's nested sub-configs that leave Llama/CLIP defaults out), written from the
+published files of Qwen/Qwen2.5-VL-7B-Instruct, Qwen/Qwen2-VL-2B-Instruct and llava-hf/llava-1.5-7b-hf,
+and tiny ones in the same layouts."""
+
+import pytest
+import torch
+
+from conftest import TESTS
+from vlmprobe.errors import ConfigError
+from vlmprobe.models.base import count_params
+from vlmprobe.worker import measure
+
+DATA = TESTS / "data" / "hf"
+# keys a config.json may carry that transformers keeps but no model reads (the Hub files have them)
+UNREAD = {"vision_config.in_chans", "vision_config.spatial_patch_size", "vision_config.vocab_size"}
+
+
+def flat(config: dict, prefix: str = "") -> dict:
+    out = {}
+    for key, value in config.items():
+        if isinstance(value, dict) and key.endswith("_config"):
+            out.update(flat(value, f"{prefix}{key}."))
+        elif key == "rope_parameters":  # the legacy rope_scaling's "type": "mrope" stays beside rope_type
+            out[prefix + key] = {k: v for k, v in value.items() if k != "type"}
+        elif prefix + key not in UNREAD:
+            out[prefix + key] = value
+    return out
+
+
+@pytest.fixture
+def spec(compose):
+    from vlmprobe.worker import build_spec  # as the planner and the worker build it (a ConfigError stays one)
+
+    return lambda *overrides: build_spec(compose(list(overrides)).model)
+
+
+@pytest.mark.parametrize("folder,shipped,params", [
+    ("Qwen2.5-VL-7B-Instruct", "qwen2_5_vl_7b", 8_292_166_656),
+    ("Qwen2-VL-2B-Instruct", "qwen2_vl_2b", 2_208_985_600),
+    ("llava-1.5-7b-hf", "llava_1_5_7b", 7_063_427_072),
+])
+def test_a_published_config_json_builds_what_its_shipped_yaml_builds(spec, folder, shipped, params):
+    from_json = spec("model=hf", f"model.config={DATA / folder}")
+    from_yaml = spec(f"model={shipped}")
+    assert type(from_json) is type(from_yaml) and from_json.name == folder
+    assert flat(from_json.config().to_dict()) == flat(from_yaml.config().to_dict())
+    json_model, yaml_model = (s.build("meta", torch.bfloat16, init=False) for s in (from_json, from_yaml))
+    assert count_params(json_model) == count_params(yaml_model) == (params, params)
+    assert [(n, p.shape) for n, p in json_model.named_parameters()] == [(n, p.shape) for n, p in yaml_model.named_parameters()]
+    if hasattr(from_yaml, "min_pixels"):  # Qwen: the pixel bounds, from preprocessor_config.json where there is one
+        assert (from_json.min_pixels, from_json.max_pixels) == (from_yaml.min_pixels, from_yaml.max_pixels)
+
+
+@pytest.mark.parametrize("folder,shipped", [("qwen2_5_vl_tiny", "qwen2_5_vl_tiny"), ("qwen2_vl_tiny", "qwen2_vl_tiny"),
+                                            ("llava_tiny", "llava_tiny")])
+def test_a_tiny_config_json_point_uses_the_memory_of_its_shipped_yaml_to_the_byte(plan_points, folder, shipped):
+    data = ["data.batch_size=2", "data.lm_max_length=48", "measure.backend=estimate", "measure.steps=1"]
+    data += [] if shipped.startswith("llava") else ["data.image_size=112"]  # a Qwen config.json has no image size
+    (hf,) = plan_points(["model=hf", f"model.config={DATA / folder / 'config.json'}", *data])
+    (yaml,) = plan_points([f"model={shipped}", *data])
+    assert hf.inputs["model"] == folder and hf.inputs["params"] == yaml.inputs["params"]
+    assert hf.inputs["image_tokens"] == yaml.inputs["image_tokens"]
+    rows = [measure(p.config) for p in (hf, yaml)]
+    assert rows[0]["status"] == "ok" and {k: v for k, v in rows[0].items() if k.endswith("_bytes")} == {
+        k: v for k, v in rows[1].items() if k.endswith("_bytes")}
+
+
+def test_a_hub_name_is_read_from_the_local_cache_only(spec, tmp_path, monkeypatch):
+    import huggingface_hub.constants
+
+    snapshot = tmp_path / "models--llava-hf--llava-1.5-7b-hf" / "snapshots" / "0123abc"
+    snapshot.mkdir(parents=True)
+    (snapshot / "config.json").write_text((DATA / "llava-1.5-7b-hf" / "config.json").read_text())
+    (tmp_path / "models--llava-hf--llava-1.5-7b-hf" / "refs").mkdir()
+    (tmp_path / "models--llava-hf--llava-1.5-7b-hf" / "refs" / "main").write_text("0123abc")
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # a download attempt would fail, not reach the network
+    llava = spec("model=hf", "model.config=llava-hf/llava-1.5-7b-hf")
+    assert llava.name == "llava-hf/llava-1.5-7b-hf"
+    assert count_params(llava.build("meta", torch.bfloat16, init=False))[0] == 7_063_427_072
+    with pytest.raises(ConfigError, match=r"model.config=Qwen/Qwen2.5-VL-3B-Instruct is not allowed: no such file or "
+                                          r"folder, and no config.json of the hub model .* in the local Hugging Face "
+                                          r"cache \(vlmprobe downloads nothing\); get it with `huggingface-cli download "
+                                          r"Qwen/Qwen2.5-VL-3B-Instruct config.json`"):
+        spec("model=hf", "model.config=Qwen/Qwen2.5-VL-3B-Instruct")
+
+
+def test_the_name_can_be_given(plan_points):
+    (point,) = plan_points(["model=hf", f"model.config={DATA / 'llava_tiny'}", "model.name=mine"])
+    assert point.inputs["model"] == "mine"
+
+
+def _write(path, text):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+    return path
+
+
+@pytest.mark.parametrize("case,message", [
+    ("no config", r"model.config=null is not allowed with model=hf: give model.config=PATH, a config.json file or a "
+                  r"folder holding one"),
+    ("missing", r"model.config=.*/nowhere is not allowed: no such file or folder \(give a config.json file or a "
+                r"folder holding one\)"),
+    ("folder without config.json", r"model.config=.*/empty is not allowed: the folder has no config.json"),
+    ("not JSON", r"model.config=.*/broken.json is not allowed: it cannot be read as JSON"),
+    ("not an object", r"model.config=.*/list.json is not allowed: it is JSON but not an object of config keys"),
+    ("unsupported family", r"model.config=.*/gemma3 is not allowed: its model_type 'gemma3' is not a family vlmprobe "
+                           r"builds \(supported: llava, qwen2_5_vl, qwen2_vl\)"),
+    ("no model_type", r"model.config=.*/bare.json is not allowed: its model_type None is not a family"),
+])
+def test_a_config_path_that_cannot_be_used_is_one_line(plan_points, tmp_path, case, message):
+    (tmp_path / "empty").mkdir()
+    paths = {
+        "no config": "null",
+        "missing": tmp_path / "nowhere",
+        "folder without config.json": tmp_path / "empty",
+        "not JSON": _write(tmp_path / "broken.json", "{not json"),
+        "not an object": _write(tmp_path / "list.json", "[1, 2]"),
+        "unsupported family": _write(tmp_path / "gemma3" / "config.json", '{"model_type": "gemma3"}').parent,
+        "no model_type": _write(tmp_path / "bare.json", '{"hidden_size": 8}'),
+    }
+    with pytest.raises(ConfigError, match=message) as error:
+        plan_points(["model=hf", f"model.config={paths[case]}"])
+    assert "\n" not in str(error.value)
+
+
+def test_the_cli_refuses_a_missing_config_in_one_line_and_writes_nothing(tmp_path, monkeypatch, capsys):
+    from vlmprobe.__main__ import main
+
+    monkeypatch.chdir(tmp_path)
+    code = main(["model=hf", f"model.config={tmp_path / 'nowhere'}", f"results_dir={tmp_path / 'r'}"])
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(lines) == 1 and "model.config=" in lines[0] and "no such file or folder" in lines[0]
+    assert not (tmp_path / "r").exists()

@@ -1,0 +1,130 @@
+"""LLaVA-1.5: exact sizes from the config, the processor's image arithmetic against the real image processor
+and the model's own image features, consistent inputs, and image sizes the model cannot see refused.
+(Estimate vs cpu and the knobs: test_families.py.)"""
+
+import pytest
+import torch
+
+from vlmprobe.errors import ConfigError
+from vlmprobe.models.base import DataShape, count_params
+from vlmprobe.models.llava import IGNORE_INDEX
+
+CPU = torch.device("cpu")
+
+
+@pytest.fixture
+def spec(compose):
+    from hydra.utils import instantiate
+
+    return lambda name, *extra: instantiate(compose([f"model={name}", *extra]).model, _convert_="all")
+
+
+def clip_vision_params(v: dict) -> int:
+    """Hand count of transformers' CLIPVisionModel (no transformers): class embedding, Conv2d patch
+    embedding without bias, a position embedding per patch + class token, the pre-LayerNorm, per layer four
+    attention Linears and two MLP Linears with bias and two LayerNorms, the post-LayerNorm."""
+    d, f, patches = v["hidden_size"], v["intermediate_size"], (v["image_size"] // v["patch_size"]) ** 2
+    embeddings = d + v["num_channels"] * v["patch_size"] ** 2 * d + (patches + 1) * d
+    layer = 4 * (d * d + d) + (d * f + f) + (f * d + d) + 2 * 2 * d
+    return embeddings + 2 * d + v["num_hidden_layers"] * layer + 2 * d
+
+
+def llama_params(t: dict) -> int:
+    """Hand count of a Llama LM without its head: embedding, per layer q/k/v/o and a SwiGLU MLP without
+    bias and two RMSNorms, the final norm."""
+    d, f, head = t["hidden_size"], t["intermediate_size"], t["head_dim"]
+    layer = d * t["num_attention_heads"] * head * 2 + 2 * d * t["num_key_value_heads"] * head + 3 * d * f + 2 * d
+    return t["vocab_size"] * d + t["num_hidden_layers"] * layer + d
+
+
+def test_llava_1_5_7b_on_meta_has_the_published_parameter_count(spec):
+    # 7,063,427,072: the Hub's safetensors count of llava-hf/llava-1.5-7b-hf ("7.06B"; recalled, no hub access
+    # here), equal to the hand count of its parts below
+    llava = spec("llava_1_5_7b")
+    model = llava.build("meta", torch.bfloat16, init=False)
+    assert count_params(model) == (7_063_427_072, 7_063_427_072)
+    parts = (model.model.vision_tower, model.model.multi_modal_projector, model.model.language_model, model.lm_head)
+    assert tuple(count_params(m)[0] for m in parts) == (303_507_456, 20_979_712, 6_607_605_760, 131_334_144)
+    assert count_params(model.model.vision_tower)[0] == clip_vision_params(llava.vision)
+    assert count_params(model.model.language_model)[0] == llama_params(llava.text)
+    d_v, d = llava.vision["hidden_size"], llava.text["hidden_size"]
+    assert count_params(model.model.multi_modal_projector)[0] == (d_v * d + d) + (d * d + d)  # 2-layer MLP
+
+
+def test_a_336_px_image_is_576_tokens_and_the_tiny_one_16(spec):
+    llava = spec("llava_1_5_7b")
+    assert llava.image_tokens(DataShape(1, 1024)) == 576  # (336 / 14)^2, class token dropped
+    batch = llava.batch(DataShape(batch_size=2, lm_max_length=1024), CPU)  # the inputs alone: no model built
+    assert ((batch["input_ids"] == 32000).sum(dim=1) == 576).all() and batch["pixel_values"].shape == (2, 3, 336, 336)
+    assert spec("llava_1_5_7b").image_tokens(DataShape(1, 2048, images_per_sample=3)) == 3 * 576
+    assert spec("llava_tiny").image_tokens(DataShape(1, 64)) == 16  # (56 / 14)^2
+
+
+@pytest.mark.parametrize("extra,tokens", [
+    ([], 16),                                                                      # CLIP, class token dropped
+    (["model.vision_feature_select_strategy=full"], 17),                           # CLIP, class token kept
+    (["model.vision.model_type=siglip_vision_model", "~model.vision.projection_dim"], 15),  # no class token: first patch dropped
+    (["model.vision.model_type=siglip_vision_model", "~model.vision.projection_dim",
+      "model.vision_feature_select_strategy=full"], 16),
+])
+def test_image_tokens_are_what_the_models_vision_features_have(spec, extra, tokens):
+    llava = spec("llava_tiny", *extra)
+    model = llava.build("cpu", torch.float32)
+    pixel_values = torch.randn(2, 3, 56, 56)
+    with torch.no_grad():
+        features = model.model.get_image_features(pixel_values=pixel_values).pooler_output
+    assert [f.shape[0] for f in features] == [tokens, tokens]
+    assert llava.image_tokens(DataShape(1, 64)) == tokens
+
+
+def test_pixel_values_have_the_shape_the_real_image_processor_gives(spec):
+    np = pytest.importorskip("numpy")
+    image = pytest.importorskip("PIL.Image")
+    clip = pytest.importorskip("transformers.models.clip.image_processing_pil_clip")
+    # llava-hf/llava-1.5-7b-hf's preprocessor_config.json: resize the shortest edge to 336, center-crop 336 x 336
+    processor = clip.CLIPImageProcessorPil(size={"shortest_edge": 336}, crop_size={"height": 336, "width": 336})
+    real = processor(images=[image.fromarray(np.zeros((500, 400, 3), dtype=np.uint8))] * 2, return_tensors="pt")
+    tiny = spec("llava_tiny", "model.vision.image_size=336")  # the 7B's geometry on a tiny tower
+    ours = tiny.batch(DataShape(batch_size=2, lm_max_length=600), CPU)
+    assert ours["pixel_values"].shape == real["pixel_values"].shape == (2, 3, 336, 336)
+    assert ours["pixel_values"].dtype == real["pixel_values"].dtype
+
+
+def test_batch_inputs_are_consistent_with_each_other(spec):
+    tiny = spec("llava_tiny")
+    batch = tiny.batch(DataShape(batch_size=3, lm_max_length=48, images_per_sample=2), CPU)
+    ids, labels = batch["input_ids"], batch["labels"]
+    assert ids.shape == labels.shape == (3, 48)
+    image = ids == tiny.image_token_id
+    assert (image.sum(dim=1) == 32).all() and image[:, 1:33].all()  # <s>, then the 2 x 16 image tokens
+    assert (ids[:, 0] == tiny.text["bos_token_id"]).all() and (ids[:, 33:] < tiny.image_token_id).all()
+    assert (labels[:, :33] == IGNORE_INDEX).all() and torch.equal(labels[:, 33:], ids[:, 33:])
+    assert batch["pixel_values"].shape == (6, 3, 56, 56)
+
+
+def test_one_step_trains_everything_but_the_clip_layers_after_the_feature_layer(spec):
+    tiny = spec("llava_tiny")
+    model = tiny.build("cpu", torch.float32)
+    loss, outputs = tiny.loss(model, tiny.batch(DataShape(batch_size=2, lm_max_length=40), CPU))
+    loss.backward()
+    assert torch.isfinite(loss) and outputs.logits.shape == (2, 40, tiny.text["vocab_size"])
+    no_grad = {name for name, p in model.named_parameters() if p.grad is None}
+    # vision_feature_layer -2: the last CLIP layer and post_layernorm run but feed nothing (as in real training)
+    last = f"model.vision_tower.encoder.layers.{tiny.vision['num_hidden_layers'] - 1}."
+    assert no_grad and all(n.startswith(last) or n.startswith("model.vision_tower.post_layernorm.") for n in no_grad)
+
+
+@pytest.mark.parametrize("size", [1, 224, 337, 672])
+def test_an_image_size_the_processor_would_crop_to_336_is_refused(plan_points, size):
+    with pytest.raises(ConfigError, match=rf"data.image_size={size} is not allowed for llava_1_5_7b: its processor "
+                                          rf"resizes and center-crops every image to 336 x 336 px"):
+        plan_points(["model=llava_1_5_7b", f"data.image_size={size}", "data.lm_max_length=1024"])
+    for size in (336, None):
+        (point,) = plan_points(["model=llava_1_5_7b", f"data.image_size={size or 'null'}", "data.lm_max_length=1024"])
+        assert point.inputs["image_size"] == 336 and point.inputs["image_tokens"] == 576
+
+
+def test_a_sequence_too_short_for_the_image_tokens_is_refused(plan_points):
+    with pytest.raises(ConfigError, match=r"data.lm_max_length=577 is too short for llava_1_5_7b: the images take 576 "
+                                          r"tokens plus <s>, so it must be at least 578"):
+        plan_points(["model=llava_1_5_7b", "data.lm_max_length=577"])

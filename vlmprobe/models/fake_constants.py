@@ -1,0 +1,65 @@
+"""Integer inputs whose values a forward reads, made so that fake tensors can answer those reads.
+
+Several VLM forwards read values of small integer tensors (Qwen's image_grid_thw.tolist() and cu_seqlens
+split sizes, the image-token count check of get_placeholder_mask in Qwen and LLaVA). FakeTensorMode (the
+estimate backend runs batch() and loss() inside it) can answer those only for *constant* fake tensors
+(fakes that keep their real values), and it propagates constants only through ops whose outputs have at
+most CONSTANT_NUMEL_LIMIT (= 1) elements. A family's batch() therefore raises that limit to the batch's
+token count for as long as the batch lives (`hold_constant_limit`) and makes its integer inputs with
+`constant_ints` -- torch.tensor of Python data, which under the mode gives constant fakes and on real
+backends ordinary tensors -- so every integer tensor derived from them in the forward (and in checkpointed
+recomputation) stays constant and the model runs unchanged. Constants are only these integer inputs, what
+is derived from them (masks, counts, cu_seqlens) and Python scalars; every activation derives from
+non-constant fakes, so no large real tensor is made. A constant is still charged by the tracker at its
+size, as CUDA would allocate it.
+
+Private torch API used: `torch._subclasses.fake_tensor.CONSTANT_NUMEL_LIMIT` (module global read by
+FakeTensorMode.may_turn_const at each op; present with the same meaning in torch 2.11-2.13), raised only
+while a batch made here is alive and restored when the last one dies. Nothing else private, no
+transformers patching.
+"""
+
+from __future__ import annotations
+
+import itertools
+import weakref
+from collections.abc import Callable
+
+import torch
+
+_limit_requests: dict[int, int] = {}  # live requests for a raised CONSTANT_NUMEL_LIMIT: key -> numel
+_limit_keys = itertools.count()
+_limit_default = 1
+
+
+def hold_constant_limit(numel: int) -> Callable[[], None]:
+    """Inside FakeTensorMode, keep real values for tensors of up to `numel` elements derived from constant
+    fakes until the returned release() is called; no effect on real tensors. Requests may overlap: the
+    limit is the largest live one, and torch's own value once none is left."""
+    from torch._subclasses import fake_tensor
+
+    global _limit_default
+    if not _limit_requests:
+        _limit_default = fake_tensor.CONSTANT_NUMEL_LIMIT
+    key = next(_limit_keys)
+    _limit_requests[key] = numel
+    fake_tensor.CONSTANT_NUMEL_LIMIT = max([_limit_default, *_limit_requests.values()])
+
+    def release() -> None:
+        if _limit_requests.pop(key, None) is not None:
+            fake_tensor.CONSTANT_NUMEL_LIMIT = max([_limit_default, *_limit_requests.values()])
+
+    return release
+
+
+def release_with(tensor: torch.Tensor, release: Callable[[], None]) -> None:
+    """Call `release` when `tensor` (a batch's input_ids: the batch lives as long as it does) dies."""
+    weakref.finalize(tensor, release)
+
+
+def constant_ints(values, device: torch.device, dtype: torch.dtype = torch.long) -> torch.Tensor:
+    """An integer tensor of Python data: a constant fake under FakeTensorMode. torch.tensor's own storage
+    never passes the tracker (made without a dispatched allocation; the tracker skips fake mode's
+    lift_fresh), but a collator's batch lives on the GPU: the clone allocates it through a dispatched op on
+    every backend (and stays constant: clone of a constant is constant, within the held limit)."""
+    return torch.tensor(values, dtype=dtype, device=device).clone()

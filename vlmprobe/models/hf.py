@@ -1,0 +1,96 @@
+"""`model=hf model.config=PATH`: any model of a supported family from its transformers config.json.
+
+PATH is a config.json file, a folder holding one (a downloaded model), or a hub name (org/name) whose
+config.json is already in the local Hugging Face cache. Its `model_type` picks the family class, which
+builds the spec from the file's values (and from preprocessor_config.json beside it, where the family reads
+one); the model is then built with random weights like any shipped config. Nothing is downloaded and no
+code from the model's repository runs (no trust_remote_code): a model_type without a family here is
+refused in one line naming it and the families there are.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+from vlmprobe.errors import ConfigError
+from vlmprobe.models.base import ModelSpec
+
+HUB_NAME = re.compile(r"^[\w.-]+/[\w.-]+$")
+
+
+def families() -> dict:
+    """model_type -> family spec class (imported here: each module imports only what it needs)."""
+    from vlmprobe.models.llava import LlavaSpec
+    from vlmprobe.models.qwen2_5_vl import Qwen2_5_VLSpec
+    from vlmprobe.models.qwen2_vl import Qwen2VLSpec
+
+    return {"qwen2_vl": Qwen2VLSpec, "qwen2_5_vl": Qwen2_5_VLSpec, "llava": LlavaSpec}
+
+
+def spec_from_config(config: str | None, name: str | None = None, attn_implementation: str = "sdpa") -> ModelSpec:
+    """Hydra target of conf/model/hf.yaml."""
+    if not config:
+        raise ConfigError("model.config=null is not allowed with model=hf: give model.config=PATH, a config.json "
+                          "file or a folder holding one (or a hub name whose config.json is in the local cache)")
+    path = find_config(str(config))
+    raw = read_json(path, f"model.config={config}")
+    model_type = raw.get("model_type")
+    supported = families()
+    if model_type not in supported:
+        raise ConfigError(f"model.config={config} is not allowed: its model_type {model_type!r} is not a family "
+                          f"vlmprobe builds (supported: {', '.join(sorted(supported))})")
+    preprocessor_path = path.parent / "preprocessor_config.json"
+    preprocessor = read_json(preprocessor_path, f"{preprocessor_path} (beside model.config={config})") \
+        if preprocessor_path.is_file() else None
+    return supported[model_type].from_hf_config(raw, name=name or default_name(str(config), path),
+                                                attn_implementation=attn_implementation, preprocessor=preprocessor)
+
+
+def find_config(config: str) -> Path:
+    """The config.json that model.config names; ConfigError saying how to get it where there is none."""
+    path = Path(config).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise ConfigError(f"model.config={config} is not allowed: the folder has no config.json")
+        return path / "config.json"
+    if path.is_file():
+        return path
+    if HUB_NAME.match(config) and not config.startswith("."):
+        cached = cached_hub_file(config, "config.json")
+        if cached is not None:
+            return cached
+        raise ConfigError(f"model.config={config} is not allowed: no such file or folder, and no config.json of the "
+                          f"hub model {config} in the local Hugging Face cache (vlmprobe downloads nothing); get it "
+                          f"with `huggingface-cli download {config} config.json` where there is a network, or copy the "
+                          f"file here and give its path")
+    raise ConfigError(f"model.config={config} is not allowed: no such file or folder (give a config.json file or a "
+                      f"folder holding one)")
+
+
+def cached_hub_file(repo: str, filename: str) -> Path | None:
+    """`filename` of hub model `repo` from the local Hugging Face cache, without any network access."""
+    try:
+        from huggingface_hub import try_to_load_from_cache
+    except ImportError:
+        return None
+    found = try_to_load_from_cache(repo, filename)
+    return Path(found) if isinstance(found, str) else None  # None, or a marker that the file does not exist
+
+
+def read_json(path: Path, what: str) -> dict:
+    try:
+        raw = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ConfigError(f"{what} is not allowed: it cannot be read as JSON ({exc})") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{what} is not allowed: it is JSON but not an object of config keys")
+    return raw
+
+
+def default_name(config: str, path: Path) -> str:
+    """The row's model name: the hub name, else the model's folder (or the file's stem for a loose file)."""
+    if not Path(config).expanduser().exists():
+        return config  # a hub name found in the cache
+    return path.parent.name if path.name == "config.json" else path.stem

@@ -1,0 +1,150 @@
+"""LLaVA (1.5 and the llava-hf family): transformers' LlavaForConditionalGeneration with random weights -- a
+vision tower (CLIP or SigLIP, built by AutoModel from its config), a 2-layer MLP projector
+(`multi_modal_projector`: Linear, GELU, Linear) and a causal LM (built by AutoModel: Llama/Vicuna for 1.5).
+
+Images (CLIPImageProcessor as LLaVA-1.5 configures it): every image is resized (shortest edge) and
+center-cropped to the tower's `image_size` (336 px), so the model sees that size only: pixel_values are
+(n_images, 3, 336, 336) float32. The tower turns an image into (336 / 14)^2 = 576 patch tokens plus CLIP's
+class token; LLaVA takes the hidden states of `vision_feature_layer` (-2: the second-to-last layer) and,
+with `vision_feature_select_strategy` "default", drops the class token: 576 image tokens per image, which
+is how many <image> tokens (image_token_id 32000) LlavaProcessor puts in the text for each image.
+
+Each sample is `lm_max_length` tokens, no padding: <s>, then the image tokens of each image, then text;
+labels are -100 at <s> and at the image tokens. attention_mask is None (every sample fills the length), as
+for Qwen2-VL. The loss is the model's own (`labels=` -> outputs.loss). Under fake tensors the forward's
+image-token count check reads input_ids: they are constant fakes (vlmprobe/models/fake_constants.py).
+
+Towers: vision = the vision tower; lm = the language model and lm_head; the projector belongs to neither
+(it stays trainable when either tower is frozen, as LLaVA's own recipes train it).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from vlmprobe.errors import ConfigError
+from vlmprobe.models.base import DataShape, ModelSpec, hyperparameters
+from vlmprobe.models.fake_constants import constant_ints, hold_constant_limit, release_with
+
+IGNORE_INDEX = -100
+# Vision towers whose output sequence we know: patch tokens plus this many class tokens
+CLASS_TOKENS = {"clip_vision_model": 1, "siglip_vision_model": 0}
+STRATEGIES = ("default", "full")  # "default" drops the first token of the selected hidden states
+
+
+class LlavaSpec(ModelSpec):
+    """Hydra target for conf/model/llava_*.yaml."""
+
+    def __init__(self, name: str, vision: dict, text: dict, image_token_id: int, projector_hidden_act: str,
+                 vision_feature_layer: int | list[int], vision_feature_select_strategy: str,
+                 multimodal_projector_bias: bool, tie_word_embeddings: bool, pad_token_id: int | None = None,
+                 attn_implementation: str = "sdpa"):
+        if vision.get("model_type") not in CLASS_TOKENS:
+            raise ConfigError(f"model.vision.model_type={vision.get('model_type')!r} is not allowed for {name}: "
+                              f"vlmprobe knows the image tokens of {', '.join(CLASS_TOKENS)} towers only")
+        if vision_feature_select_strategy not in STRATEGIES:
+            raise ConfigError(f"model.vision_feature_select_strategy={vision_feature_select_strategy!r} is not "
+                              f"allowed for {name}: use one of {', '.join(STRATEGIES)}")
+        self.name = name
+        self.vision = dict(vision)
+        self.text = dict(text)
+        self.image_token_id = image_token_id
+        self.pad_token_id = pad_token_id
+        self.projector_hidden_act = projector_hidden_act
+        self.vision_feature_layer = vision_feature_layer
+        self.vision_feature_select_strategy = vision_feature_select_strategy
+        self.multimodal_projector_bias = multimodal_projector_bias
+        self.tie_word_embeddings = tie_word_embeddings
+        self.attn_implementation = attn_implementation
+        self.native_image_size = vision["image_size"]  # the size the processor crops every image to
+
+    @classmethod
+    def from_hf_config(cls, raw: dict, *, name: str, attn_implementation: str, preprocessor: dict | None):
+        """The spec of a LLaVA config.json (`raw`), read through transformers' LlavaConfig (sub-configs it
+        leaves out take their class defaults, as from_pretrained gives them). preprocessor_config.json is
+        not needed: the crop size is the tower's image_size."""
+        from transformers import LlavaConfig
+
+        config = LlavaConfig(**raw)
+        return cls(name=name, vision=hyperparameters(config.vision_config), text=hyperparameters(config.text_config),
+                   image_token_id=config.image_token_id, pad_token_id=getattr(config, "pad_token_id", None),
+                   projector_hidden_act=config.projector_hidden_act, vision_feature_layer=config.vision_feature_layer,
+                   vision_feature_select_strategy=config.vision_feature_select_strategy,
+                   multimodal_projector_bias=config.multimodal_projector_bias,
+                   tie_word_embeddings=config.tie_word_embeddings, attn_implementation=attn_implementation)
+
+    # -- image geometry -------------------------------------------------------------------------------
+    def tokens_per_image(self) -> int:
+        """LM tokens of one image: the tower's output sequence (patches + class token), less the first
+        token under the "default" strategy (LlavaProcessor: patches + num_additional_image_tokens - 1)."""
+        patches = (self.native_image_size // self.vision["patch_size"]) ** 2
+        return patches + CLASS_TOKENS[self.vision["model_type"]] - (self.vision_feature_select_strategy == "default")
+
+    def image_tokens(self, data: DataShape) -> int:
+        size = self.image_size(data)
+        if size != self.native_image_size:
+            raise ConfigError(
+                f"data.image_size={size} is not allowed for {self.name}: its processor resizes and center-crops "
+                f"every image to {self.native_image_size} x {self.native_image_size} px (the tower's position "
+                f"embeddings cover that size only), so the model's memory is that of {self.native_image_size} px; "
+                f"use {self.native_image_size} or null")
+        return data.images_per_sample * self.tokens_per_image()
+
+    def validate(self, data: DataShape) -> None:
+        needed = self.image_tokens(data) + 2  # + <s> and at least one text token
+        if data.lm_max_length < needed:
+            raise ConfigError(
+                f"data.lm_max_length={data.lm_max_length} is too short for {self.name}: the images take "
+                f"{self.image_tokens(data)} tokens plus <s>, so it must be at least {needed}")
+
+    # -- model ----------------------------------------------------------------------------------------
+    def config(self):
+        from transformers import LlavaConfig
+
+        return LlavaConfig(vision_config=dict(self.vision), text_config={**self.text, "use_cache": False},
+                           image_token_id=self.image_token_id, pad_token_id=self.pad_token_id,
+                           projector_hidden_act=self.projector_hidden_act,
+                           vision_feature_layer=self.vision_feature_layer,
+                           vision_feature_select_strategy=self.vision_feature_select_strategy,
+                           multimodal_projector_bias=self.multimodal_projector_bias,
+                           image_seq_length=self.tokens_per_image(), tie_word_embeddings=self.tie_word_embeddings,
+                           attn_implementation=self.attn_implementation)
+
+    def _construct(self) -> nn.Module:
+        from transformers import LlavaForConditionalGeneration
+
+        model = LlavaForConditionalGeneration(self.config())
+        model.tie_weights()  # post_init does not tie under no_init_weights (a no-op where untied)
+        return model
+
+    def towers(self, model: nn.Module) -> dict[str, list[nn.Module]]:
+        return {"vision": [model.model.vision_tower], "lm": [model.model.language_model, model.lm_head]}
+
+    # -- inputs ---------------------------------------------------------------------------------------
+    def _sample(self, data: DataShape) -> tuple[list[int], list[int]]:
+        """input_ids and labels of one sample."""
+        bos = self.text.get("bos_token_id", 1)
+        image = [self.image_token_id] * self.image_tokens(data)
+        n_text = data.lm_max_length - 1 - len(image)
+        text_vocab = min(self.image_token_id, self.text["vocab_size"])  # ordinary text ids lie below <image>
+        text = [(17 * i + 3) % text_vocab for i in range(n_text)]  # content does not change memory
+        return [bos, *image, *text], [IGNORE_INDEX] * (1 + len(image)) + text
+
+    def batch(self, data: DataShape, device: torch.device) -> dict:
+        self.validate(data)
+        input_ids, labels = self._sample(data)
+        b, size = data.batch_size, self.native_image_size
+        release = hold_constant_limit(b * data.lm_max_length)  # the forward counts image tokens in input_ids
+        batch = {
+            "input_ids": constant_ints([input_ids] * b, device),
+            "labels": constant_ints([labels] * b, device),
+            "pixel_values": torch.randn(b * data.images_per_sample, self.vision.get("num_channels", 3), size, size,
+                                        dtype=torch.float32, device=device),
+        }
+        release_with(batch["input_ids"], release)
+        return batch
+
+    def loss(self, model: nn.Module, batch: dict):
+        outputs = model(**batch, attention_mask=None, use_cache=False)  # LlavaCausalLMOutputWithPast (loss, logits)
+        return outputs.loss, outputs

@@ -1,0 +1,61 @@
+"""Qwen2.5-VL: transformers' Qwen2_5_VLForConditionalGeneration with random weights. The processor, the
+image arithmetic, the batch and the loss are Qwen2-VL's (qwen2_vl.py); what differs is the vision tower:
+
+- RMSNorm and a gated SiLU MLP with bias (intermediate_size 3420 for 3B / 7B, 3456 for 72B) in each block,
+  an RMSNorm before the 2 x 2 patch merger, and the merger's own output width (`out_hidden_size`).
+- Window attention: the merged-token grid is cut into windows of window_size / merge / patch = 112 / 2 / 14
+  = 4 x 4 merged tokens (8 x 8 patches, 112 x 112 px); blocks listed in `fullatt_block_indexes` attend
+  over the whole image, the others only inside their window. The patch sequence is permuted into window
+  order before the blocks and back after the merger.
+
+Window indices: the tower computes them from image_grid_thw with fresh aranges and boolean masks, which
+fake tensors cannot answer (a data-dependent output shape). transformers accepts them precomputed
+(`image_window_index`, `image_cu_window_seqlens`: vision_utils.get_vision_window_index pops them from the
+forward's kwargs, 5.17-5.23), so the collator here computes them in pure Python (`window_index`, checked
+against transformers' function in the tests) and passes them, as constant integer inputs, on every backend.
+The real tower makes the same two small integer tensors itself (a few KiB); here they live with the batch.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from vlmprobe.models.fake_constants import constant_ints
+from vlmprobe.models.qwen2_vl import Qwen2VLSpec
+
+
+def window_index(grids: list[tuple[int, int]], merge: int, window_size: int, patch: int) -> tuple[list[int], list[int]]:
+    """(window_index, cu_window_seqlens) of still images with these (rows, cols) patch grids, as
+    transformers' get_vision_window_index computes them: merged tokens renumbered window by window (windows
+    row-major over a grid padded up to whole windows, tokens row-major inside a window), and the cumulative
+    patch count at each window's end (consecutive repeats, from windows that are all padding, dropped)."""
+    side = window_size // merge // patch  # merged tokens per window side
+    order, bounds, offset = [], [0], 0
+    for rows, cols in grids:
+        llm_rows, llm_cols = rows // merge, cols // merge
+        # transformers pads by side - n % side: a whole empty window row/column where n is a multiple of side
+        windows_h = (llm_rows + side - llm_rows % side) // side
+        windows_w = (llm_cols + side - llm_cols % side) // side
+        for wh in range(windows_h):
+            for ww in range(windows_w):
+                inside = [r * llm_cols + c
+                          for r in range(wh * side, min((wh + 1) * side, llm_rows))
+                          for c in range(ww * side, min((ww + 1) * side, llm_cols))]
+                order += [offset + i for i in inside]
+                bounds.append(bounds[-1] + len(inside) * merge * merge)
+        offset += llm_rows * llm_cols
+    return order, [b for i, b in enumerate(bounds) if i == 0 or b != bounds[i - 1]]
+
+
+class Qwen2_5_VLSpec(Qwen2VLSpec):
+    """Hydra target for conf/model/qwen2_5_vl_*.yaml."""
+
+    config_class = "Qwen2_5_VLConfig"
+    model_class = "Qwen2_5_VLForConditionalGeneration"
+
+    def vision_inputs(self, grids: list[tuple[int, int]], device: torch.device) -> dict:
+        order, bounds = window_index(grids, self.vision["spatial_merge_size"], self.vision["window_size"],
+                                     self.vision["patch_size"])
+        # dtypes as transformers makes them: int64 (an arange) and int32
+        return {"image_window_index": constant_ints(order, device),
+                "image_cu_window_seqlens": constant_ints(bounds, device, torch.int32)}
