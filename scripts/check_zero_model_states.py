@@ -4,24 +4,25 @@ DeepSpeed's own formulas, estimate_zero2_model_states_mem_needs and estimate_zer
 (deepspeed/runtime/zero/stage_1_and_2.py and stage3.py, no offload), for each model and world size.
 
 Full fine-tune, bf16 weights as DeepSpeed's bf16 mode runs them (train.param_dtype=bfloat16, no autocast),
-AdamW, batch 1 at a short length: the model states do not depend on the batch. Ours, from rank 0's row:
-  after_load = the bf16 weights (stage 2: whole; stage 3: this rank's partition and the persistent small
-               params) + the fp32 master partition + whatever deepspeed.initialize allocates on the device,
-  grads      = the gradient partition buffers the engine keeps (grads_bytes),
-  optimizer  = the AdamW moments of the fp32 partition (optimizer_state_bytes),
-  states     = their sum; peak = the step's peak (activations and transients included).
-DeepSpeed's formulas, with P the parameters (tied ones once) and L the largest module's own parameters:
+AdamW, batch 1 at a short length: the model states do not depend on the batch. Ours is rank 0's
+`after_step_bytes`: what stays allocated once the optimizer step is done, i.e. what a rank carries from one
+step to the next. The columns beside it are the row's own: the bf16 weights this rank holds (params_bytes),
+the gradient buffers at the end of backward (grads_bytes, before the step), the AdamW moments.
+DeepSpeed's formulas, with P the parameters (tied ones once), L the largest module's own parameters, N ranks:
   zero2: 2P + 18P/N   (2 = bf16 params; 18 = bf16 grads 2 + fp32 grads 4 + fp32 params 4 + Adam 8)
   zero3: 4L + 18P/N   (4L = the largest layer gathered, bf16 params + grads)
-The difference is explained by two terms, and `unexplained` is what is left after them:
-  zero2: formula - ours = 4P/N. DeepSpeed's bf16 mode keeps the gradient partition in bf16 (in `grads`) and
-         makes its fp32 copy for the update inside step(), freeing it after: a transient of the optimizer phase
-         (in `peak`), not a state held between steps.
-  zero3: formula - ours = 4L - 2R, R = zero_optimization.reduce_bucket_size. Ours holds 18P/N too, but made of
-         other buffers: initialize() leaves two bf16 copies of the partition (2 x 2P/N), the fp32 master (4P/N),
-         the bf16 gradient partition (2P/N) and AdamW's moments (8P/N); it also allocates the reduce bucket of R
-         bf16 elements (2R bytes, 0.93 GiB at DeepSpeed's default 5e8) at initialize, which the formula leaves
-         out. The formula's 4L is the largest layer gathered during forward and backward (in `peak`).
+The difference, term by term (`explained`; `unexplained` is what is left after it, R being
+zero_optimization.reduce_bucket_size in elements):
+  zero2: formula - ours = 6P/N. After the step a rank holds the whole bf16 weights (2P), its fp32 master
+         partition (4P/N) and AdamW's moments (8P/N): 2P + 12P/N. The formula's gradients, bf16 (2P/N) and
+         their fp32 copy for the update (4P/N), live from backward into step() and are freed there: they are
+         in `peak`, not held between steps.
+  zero3: formula - ours = 4L + 2P/N - 2R. After the step a rank holds its bf16 weight partition (2P/N), its
+         bf16 gradient partition (2P/N, kept by stage 3 between steps), the fp32 master (4P/N), AdamW's
+         moments (8P/N) and the reduce bucket of R bf16 elements (2R bytes, 0.93 GiB at DeepSpeed's default
+         5e8) that initialize allocates and the formula leaves out: 16P/N + 2R. The formula's fp32 gradient
+         copy (4P/N, 2P/N more than ours holds for gradients) is a transient of step(), and its 4L the
+         largest layer gathered during forward and backward: both are in `peak`.
 
     python scripts/check_zero_model_states.py [--models nanovlm_222m,qwen2_vl_2b] [--worlds 1,2,4,8,16]
                                                [--stages 2,3]
@@ -66,6 +67,11 @@ def sizes(config: dict) -> tuple[int, int]:
     return count_params(model)[0], largest
 
 
+# formula - ours, term by term (see the module doc); P parameters, L the largest module's, N ranks, R the
+# reduce bucket in elements
+EXPLAINED = {2: lambda P, L, N, R: 6 * P / N, 3: lambda P, L, N, R: 4 * L + 2 * P / N - 2 * R}
+
+
 def deepspeed_formula(stage: int, params: int, largest: int, world: int) -> int:
     from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
     from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
@@ -75,42 +81,67 @@ def deepspeed_formula(stage: int, params: int, largest: int, world: int) -> int:
     return estimate_zero3_model_states_mem_needs(params, largest, world, cpu_offload=False)[1]
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--models", default="nanovlm_222m,qwen2_vl_2b")
-    parser.add_argument("--worlds", default="1,2,4,8,16")
-    parser.add_argument("--stages", default="2,3")
-    args = parser.parse_args()
-    rows = []
-    for model in args.models.split(","):
+RAW = ["model", "stage", "N", "P", "L", "R", "after_load_bytes", "after_step_bytes", "params_bytes", "grads_bytes",
+       "optimizer_state_bytes", "peak_allocated_bytes", "simulation_s"]
+
+
+def simulate(models: list[str], stages: list[int], worlds: list[int]) -> pd.DataFrame:
+    """Rank 0's figures of each (model, stage, world size): one fresh-process simulation each."""
+    raw = []
+    for model in models:
         params = largest = None
-        for stage in map(int, args.stages.split(",")):
-            for world in map(int, args.worlds.split(",")):
+        for stage in stages:
+            for world in worlds:
                 config = planned_config([f"model={model}", *SETUP, *SHORT.get(model, []), f"dist=zero{stage}",
                                          f"dist.world_size={world}", "measure.backend=estimate"])
                 if params is None:
                     params, largest = sizes(config)
                 started = time.perf_counter()
                 row = simulate_elsewhere(config, 0)
-                took = time.perf_counter() - started
+                took = round(time.perf_counter() - started, 1)
+                print(f"{model} zero{stage} N={world}: {row['status']} ({took:.0f} s)", file=sys.stderr, flush=True)
                 if row["status"] != "ok":
-                    print(f"{model} zero{stage} N={world}: {row['status']}: {row.get('error', '')[:300]}", file=sys.stderr)
+                    print(f"  {row.get('error', '')[:300]}", file=sys.stderr)
                     continue
-                ours = row["after_load_bytes"] + row["grads_bytes"] + row["optimizer_state_bytes"]
-                theirs = deepspeed_formula(stage, params, largest, world)
-                explained = 4 * params / world if stage == 2 else 4 * largest - 2 * config["dist"]["reduce_bucket_size"]
-                rows.append({"model": model, "stage": stage, "N": world, "P": params, "L": largest,
-                             "after_load": row["after_load_bytes"] / GiB, "grads": row["grads_bytes"] / GiB,
-                             "optimizer": row["optimizer_state_bytes"] / GiB, "states (ours)": ours / GiB,
-                             "DeepSpeed formula": theirs / GiB, "formula - ours": (theirs - ours) / GiB,
-                             "explained": explained / GiB, "unexplained": (theirs - ours - explained) / GiB,
-                             "peak (ours)": row["peak_allocated_bytes"] / GiB, "simulation s": round(took, 1)})
-                print(f"{model} zero{stage} N={world}: ours {ours / GiB:.3f} GiB, DeepSpeed {theirs / GiB:.3f} GiB "
-                      f"({took:.0f} s)", file=sys.stderr, flush=True)
-    table = pd.DataFrame(rows)
-    print(table.to_markdown(index=False, floatfmt=".3f"))
-    print("\nGiB = 1024^3 bytes. Ours: backend estimate, rank 0 (DeepSpeed ZeRO on a fake process group). DeepSpeed "
-          "formula: deepspeed.runtime.zero estimate_zero{2,3}_model_states_mem_needs, cpu_offload=False.")
+                raw.append({**{k: row[k] for k in RAW if k in row}, "model": model, "stage": stage, "N": world,
+                            "P": params, "L": largest, "R": config["dist"]["reduce_bucket_size"], "simulation_s": took})
+    return pd.DataFrame(raw, columns=RAW)
+
+
+def compare(raw: pd.DataFrame) -> pd.DataFrame:
+    rows = []
+    for r in raw.itertuples():
+        ours = r.after_step_bytes
+        theirs = deepspeed_formula(r.stage, r.P, r.L, r.N)
+        explained = EXPLAINED[r.stage](r.P, r.L, r.N, r.R)
+        rows.append({"model": r.model, "stage": r.stage, "N": r.N,
+                     "bf16 params": r.params_bytes / GiB, "grads before step": r.grads_bytes / GiB,
+                     "optimizer": r.optimizer_state_bytes / GiB,
+                     "after step (ours)": ours / GiB, "DeepSpeed formula": theirs / GiB,
+                     "formula - ours": (theirs - ours) / GiB, "explained": explained / GiB,
+                     "unexplained": (theirs - ours - explained) / GiB, "peak (ours)": r.peak_allocated_bytes / GiB})
+    return pd.DataFrame(rows)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", default="nanovlm_222m,qwen2_vl_2b")
+    parser.add_argument("--worlds", default="1,2,4,8,16")
+    parser.add_argument("--stages", default="2,3")
+    parser.add_argument("--save", help="write the simulations' raw figures (bytes) to this CSV")
+    parser.add_argument("--rows", help="print the table from a CSV written by --save instead of simulating")
+    args = parser.parse_args()
+    if args.rows:
+        raw = pd.read_csv(args.rows)
+    else:
+        raw = simulate(args.models.split(","), list(map(int, args.stages.split(","))),
+                       list(map(int, args.worlds.split(","))))
+        if args.save:
+            raw.to_csv(args.save, index=False)
+    print(compare(raw).to_markdown(index=False, floatfmt=".3f"))
+    print("\nGiB = 1024^3 bytes. Ours: backend estimate, rank 0 (DeepSpeed ZeRO on a fake process group), "
+          "allocated after the last optimizer step. DeepSpeed formula: deepspeed.runtime.zero "
+          "estimate_zero{2,3}_model_states_mem_needs, cpu_offload=False.")
     return 0
 
 
