@@ -67,6 +67,25 @@ BAD_INPUT = {
     "axis not a config key": (["+sweep=smoke", "+sweep.axes.data.nope=[1,2]"], "sweep axis 'data.nope' is not allowed: it is not a key of the config"),
     "cuda without a GPU": (["measure.backend=cuda"], "measure.backend=cuda is not allowed here: no CUDA GPU is visible"),
     "unknown backend": (["measure.backend=tpu"], "measure.backend='tpu' is not allowed: use one of auto, cuda, cpu, estimate"),
+    # the target card (issue 12): an unknown one names the profiles; what the card cannot do is refused
+    "unknown device": (["device=rtx9090"], "device='rtx9090' is not allowed: use one of a100_40gb, a100_80gb, "
+                                           "h100_80gb, h20, h200, l40s, none, rtx3090, rtx4090, v100_32gb"),
+    "unknown device as an axis": (["+sweep=smoke", "+sweep.axes.device=[rtx3090,tpu]"],
+                                  "device='tpu' is not allowed: use one of a100_40gb"),
+    "bf16 on a card without it": (["model=nanovlm_tiny", "device=v100_32gb"],
+                                  "train.autocast_dtype=bfloat16 is not allowed with device=v100_32gb: the Tesla "
+                                  "V100-SXM2-32GB (sm70) has no bfloat16 kernels (they need sm80+); use float16 or float32"),
+    "bf16 weights on a card without it": (["model=nanovlm_tiny", "device=v100_32gb", "train.param_dtype=bfloat16",
+                                           "train.autocast_dtype=null"],
+                                          "train.param_dtype=bfloat16 is not allowed with device=v100_32gb"),
+    "device_memory above the card": (["model=nanovlm_tiny", "device=rtx3090", "measure.device_memory=32GiB"],
+                                     "measure.device_memory=34359738368 is not allowed with device=rtx3090: the NVIDIA "
+                                     "GeForce RTX 3090 has 25,438,126,080 B (23.69 GiB)"),
+    "max-batch budget above the card": (["+find=max_batch", "device=rtx3090", "memory_budget=32GiB"],
+                                        "memory_budget=32GiB is not allowed with device=rtx3090: the NVIDIA GeForce "
+                                        "RTX 3090 has 25,438,126,080 B"),
+    "a profile value its builder refuses": (["model=nanovlm_tiny", "device=rtx3090", "device.compute_capability=sm86"],
+                                            "device.compute_capability='sm86' is not allowed: give major.minor"),
 }
 
 

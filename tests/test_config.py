@@ -15,7 +15,8 @@ SWEEPS = sorted(p.stem for p in (CONF / "sweep").glob("*.yaml"))
 # model=hf builds from a config.json: here a tiny one in the Hub's layout (tests/data/hf, see test_hf.py)
 HF_TINY = TESTS / "data" / "hf" / "qwen2_5_vl_tiny"
 NEEDS = {"hf": [f"model.config={HF_TINY}"]}
-GROUPS = {g: sorted(p.stem for p in (CONF / g).glob("*.yaml")) for g in ("data", "train", "measure", "optimizer", "dist")}
+GROUPS = {g: sorted(p.stem for p in (CONF / g).glob("*.yaml"))
+          for g in ("data", "train", "measure", "optimizer", "dist", "device")}
 
 
 @pytest.mark.parametrize("model", MODELS)
@@ -41,6 +42,13 @@ def test_every_sweep_composes_and_plans(plan_points, sweep):
 def test_every_group_option_composes_and_instantiates(compose, group, option):
     cfg = compose([f"{group}={option}"])
     assert cfg[group] is not None
+    if group == "device":  # through its _target_, as a point builds it; the file's name is the row's `device`
+        from omegaconf import OmegaConf
+
+        from vlmprobe import device_profile
+
+        card = device_profile.from_config(OmegaConf.to_container(cfg.device, resolve=True))
+        assert card is None if option == "none" else (card.key == option and card.total_memory > 0)
     if group == "optimizer":
         if option == "adamw_8bit" and importlib.util.find_spec("bitsandbytes") is None:
             pytest.skip("bitsandbytes is not installed (its rows say `skipped`, see test_knobs)")

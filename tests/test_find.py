@@ -56,4 +56,16 @@ def test_max_batch_without_a_budget_is_one_clear_line(tmp_path):
     proc = run_cli(["+find=max_batch", f"results_dir={tmp_path}"], cwd=tmp_path)
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == [
-        "vlmprobe: memory_budget=null is not allowed with +find=max_batch: give bytes or a size like 24GiB"]
+        "vlmprobe: memory_budget=null is not allowed with +find=max_batch: give bytes or a size like 24GiB, or a "
+        "card (device=rtx3090, ...) whose total memory is the budget"]
+
+
+def test_a_card_without_a_budget_is_searched_against_its_whole_memory(compose):
+    from omegaconf import OmegaConf
+
+    from vlmprobe.find import MaxBatchSearch
+
+    overrides = ["+find=max_batch", "model=nanovlm_tiny", "device=rtx3090", "measure.backend=estimate"]
+    search = MaxBatchSearch(compose, overrides, OmegaConf.to_container(compose(overrides), resolve=True))
+    assert search.budget == 25_438_126_080  # conf/device/rtx3090.yaml's total_memory
+    assert search.planned[0].config["measure"]["device_memory"] == 25_438_126_080

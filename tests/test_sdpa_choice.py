@@ -57,3 +57,61 @@ def test_a_bias_of_another_dtype_than_the_query_is_refused_as_cuda_efficient_att
         F.scaled_dot_product_attention(q, q, q, attn_mask=torch.ones(1, 1, 1, 16, dtype=torch.bool))
         with torch.autocast("cpu", dtype=torch.bfloat16):  # autocast casts q and the mask alike
             F.scaled_dot_product_attention(q.float(), q.float(), q.float(), attn_mask=torch.zeros(1, 1, 1, 16))
+
+
+# ---- the target card's kernels (device=): sdp_utils.cpp's hardware and dtype checks ----
+
+def card(key):
+    from vlmprobe import device_profile
+
+    return device_profile.load(key)
+
+
+@pytest.mark.parametrize("dtype,head_dim,mask,grouped,kernel", [
+    (torch.float16, 64, False, False, "efficient"),  # no flash below sm80
+    (torch.float16, 64, False, True, "math"),  # ... and memory-efficient takes no grouped KV heads
+    (torch.float16, 64, True, False, "efficient"),
+    (torch.float32, 64, False, True, "math"),
+    (torch.float32, 6, False, False, "efficient"),  # fp32 head dims need no alignment without TF32 tensor cores
+    (torch.bfloat16, 64, False, False, "math"),  # memory-efficient takes bf16 only from sm80 (bf16 is refused anyway)
+])
+def test_a_v100_runs_no_flash_so_fp16_grouped_attention_falls_back_to_math(dtype, head_dim, mask, grouped, kernel):
+    assert cuda_kernel(dtype, head_dim, mask, grouped, card("v100_32gb")) == kernel
+
+
+@pytest.mark.parametrize("key", ["a100_40gb", "a100_80gb", "h100_80gb", "h20", "h200", "rtx3090", "rtx4090", "l40s"])
+@pytest.mark.parametrize("dtype,head_dim,mask,grouped", [
+    (torch.bfloat16, 64, False, False), (torch.bfloat16, 64, False, True), (torch.bfloat16, 64, True, False),
+    (torch.float32, 64, False, False), (torch.float32, 64, False, True), (torch.float16, 128, True, True),
+    (torch.float32, 6, False, False), (torch.bfloat16, 320, False, False),
+])
+def test_an_sm80_or_later_card_chooses_as_the_rules_without_a_card_do(key, dtype, head_dim, mask, grouped):
+    assert cuda_kernel(dtype, head_dim, mask, grouped, card(key)) == cuda_kernel(dtype, head_dim, mask, grouped)
+
+
+@pytest.mark.parametrize("key,head_dim,requires_grad,kernel", [
+    ("rtx3090", 200, True, "efficient"),  # sm86: flash's backward has no kernel for head dims in (192, 224]
+    ("rtx4090", 224, True, "efficient"),  # sm89 alike
+    ("rtx3090", 200, False, "flash"),  # no backward: flash runs
+    ("rtx3090", 232, True, "flash"),  # above 224 (without dropout) flash trains
+    ("a100_80gb", 200, True, "flash"),  # sm80 trains any head dim up to 256
+])
+def test_consumer_ampere_and_ada_train_no_flash_with_head_dims_above_192_up_to_224(key, head_dim, requires_grad, kernel):
+    assert cuda_kernel(torch.bfloat16, head_dim, False, False, card(key), requires_grad) == kernel
+
+
+def test_on_a_v100_fp16_grouped_attention_keeps_the_attention_weights_that_an_a100_does_not():
+    estimate = backends.get("estimate")
+
+    def saved(device):
+        with estimate.session(None, device=device) as meter:
+            q = torch.empty(2, 8, 128, 64, dtype=torch.float16, requires_grad=True)
+            kv = torch.empty(2, 2, 128, 64, dtype=torch.float16, requires_grad=True)
+            before = meter.current()
+            out = F.scaled_dot_product_attention(q, kv, kv, is_causal=True, enable_gqa=True)  # kept: autograd needs it
+            return meter.current() - before, out.shape
+
+    weights = 2 * 8 * 128 * 128 * 2  # B x H x L x L in fp16
+    # flash on the A100: the fp16 output (2 x 8 x 128 x 64 x 2 = 262,144 B) and the fp32 logsumexp (8,192 B)
+    assert saved(card("a100_80gb")) == saved(None) == (262_144 + 8_192, (2, 8, 128, 64))
+    assert saved(card("v100_32gb"))[0] >= weights  # math on the V100: the softmax output is saved for backward

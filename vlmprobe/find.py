@@ -1,7 +1,8 @@
 """Largest batch that fits a memory budget: bisect data.batch_size for each configuration of the grid.
 
-A probe fits when its point finishes (`ok`) within the budget: its peak reserved bytes where the backend
-measures them (cuda), else its peak allocated bytes. Every backend gets the budget as its device capacity
+A probe fits when its point finishes (`ok`) within the budget (memory_budget, or the total memory of the
+`device=` card when memory_budget is null): its peak reserved bytes where the backend measures them (cuda),
+else its peak allocated bytes. Every backend gets the budget as its device capacity
 (unless measure.device_memory is set): the allocator model of the estimate and cpu backends, and the caching
 allocator of a larger CUDA card (set_per_process_memory_fraction), run out of memory where a card of that
 size would, retries and cache flushes included; the row's imposed_capacity_bytes says so. Bisection over [low, high] assumes a batch that does not fit means no larger one
@@ -17,6 +18,7 @@ from pathlib import Path
 import pandas as pd
 from tqdm import tqdm
 
+from vlmprobe import device_profile
 from vlmprobe.errors import ConfigError
 from vlmprobe.grid import Point
 from vlmprobe.plan import grid_points, parse_bytes, plan_point
@@ -51,8 +53,15 @@ class MaxBatchSearch:
 
     def __init__(self, compose, overrides: list[str], base: dict):
         self.budget = parse_bytes(base["memory_budget"], "memory_budget")
+        card = device_profile.from_config(base["device"])
+        if self.budget is None and card:  # a target card's whole memory is the budget for it
+            self.budget = card.total_memory
+        elif card and self.budget > card.total_memory:
+            raise ConfigError(f"memory_budget={base['memory_budget']} is not allowed with device={card.key}: the "
+                              f"{card.name} has {card.total_memory:,} B; give at most that, or null for all of it")
         if self.budget is None:
-            raise ConfigError("memory_budget=null is not allowed with +find=max_batch: give bytes or a size like 24GiB")
+            raise ConfigError("memory_budget=null is not allowed with +find=max_batch: give bytes or a size like 24GiB, "
+                              "or a card (device=rtx3090, ...) whose total memory is the budget")
         self.low, self.high = base["find"]["low"], base["find"]["high"]
         if not all(isinstance(v, int) and not isinstance(v, bool) for v in (self.low, self.high)) or not 1 <= self.low <= self.high:
             raise ConfigError(f"find.low={self.low!r}, find.high={self.high!r} are not allowed: give integers with 1 <= low <= high")

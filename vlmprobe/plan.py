@@ -15,15 +15,15 @@ from dataclasses import dataclass
 
 from omegaconf import OmegaConf
 
+from vlmprobe import device_profile
 from vlmprobe.distributed import options as dist_options
 from vlmprobe.errors import ConfigError, first_line, refused
 from vlmprobe.grid import Point, expand, flatten_axes, flatten_cases
 from vlmprobe.results import axis_column
-from vlmprobe.tracker import BYTE_UNITS
+from vlmprobe.sizes import parse_bytes
 
 DTYPE_NAMES = ("float32", "bfloat16", "float16")
 RECORD_HISTORY = ("off", "alloc", "all")
-_SIZE = re.compile(r"^\s*([\d.]+)\s*(B|KiB|MiB|GiB|TiB)?\s*$")
 
 
 @dataclass
@@ -32,16 +32,6 @@ class PlannedPoint:
     config: dict  # the composed config of this point, resolved, plain data
     inputs: dict  # the row's input columns
     skip: str | None = None  # why this point cannot run here (an optional package missing); its row says `skipped`
-
-
-def parse_bytes(value, key: str) -> int | None:
-    """An int of bytes, or a string like '24GiB' (1024-based units)."""
-    if value is None:
-        return None
-    match = _SIZE.match(str(value))
-    if isinstance(value, bool) or not match or float(match.group(1)) <= 0:
-        raise ConfigError(f"{key}={value!r} is not allowed: give bytes or a size like 24GiB (units B, KiB, MiB, GiB, TiB)")
-    return int(float(match.group(1)) * BYTE_UNITS[match.group(2) or "B"])
 
 
 def check_axis_keys(base: dict, keys: list[str], overrides: list[str]) -> None:
@@ -168,6 +158,9 @@ def validate_point(cfg: dict, point: Point) -> tuple[dict, str | None]:
     if not isinstance(steps, int) or isinstance(steps, bool) or steps <= 0:
         raise ConfigError(f"measure.steps={steps!r} is not allowed: it must be a positive integer")
     measure["device_memory"] = parse_bytes(measure["device_memory"], "measure.device_memory")
+    # the target card: a capacity above it, or bfloat16 on a card without it, is refused before any model is built
+    profile = device_profile.from_config(cfg["device"])
+    device_profile.check(measure["device_memory"], train, cfg["dist"], profile)
     if measure["backend"] == "cuda" and measure["isolate"] is False:
         raise ConfigError("measure.isolate=false is not allowed with backend cuda: each CUDA point runs in a fresh "
                           "process, or one point's allocator state would leak into the next")
@@ -220,6 +213,7 @@ def validate_point(cfg: dict, point: Point) -> tuple[dict, str | None]:
         "lora_r": train["lora_r"],
         "dist": cfg["dist"]["name"],
         "world_size": cfg["dist"]["world_size"],
+        "device": profile.key if profile else None,
         "attn_implementation": cfg["model"].get("attn_implementation"),
         "alloc_conf": measure.get("alloc_conf"),
         "hold_outputs": measure["hold_outputs"],

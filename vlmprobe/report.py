@@ -90,6 +90,9 @@ def summary_markdown(table: pd.DataFrame, axes: list[str], env: dict, beside: st
     sweep = table["sweep"].iloc[0] if len(table) else "?"
     lines = [f"# vlmprobe: {sweep}", ""]
     lines += [f"- backend `{b}`: {BACKEND_WORDS.get(b, b)}" for b in backends]
+    cards = sorted(table["device"].dropna().unique()) if "device" in table else []
+    if cards:
+        lines.append(f"- target card (`device=`, conf/device/): {', '.join(map(str, cards))}")
     lines += [
         f"- device: {env.get('device_name', '?')}; torch {env.get('torch')}, transformers {env.get('transformers')}; "
         f"commit {env.get('git_commit')}",
@@ -101,13 +104,15 @@ def summary_markdown(table: pd.DataFrame, axes: list[str], env: dict, beside: st
     if len(table):
         lines += [pivot(table, axes).to_markdown(), "", *([beside] if beside else []), "## Every point", ""]
         cols = ["point_id", "backend", "status", "peak_allocated_bytes", "last_step_peak_allocated_bytes",
-                "peak_reserved_bytes", "nvml_process_bytes", "peak_phase", "step_time_s"]
+                "peak_reserved_bytes", "nvml_process_bytes", "predicted_device_bytes", "peak_phase", "step_time_s"]
+        cols = [c for c in cols if c in table]  # results written before a column existed lack it
         shown = table[cols].copy()
         for c in cols:
             if c.endswith("_bytes"):
                 shown[c] = shown[c].map(mib)
         shown.columns = [c.replace("_bytes", " MiB") for c in cols]
         lines += [shown.to_markdown(index=False), ""]
+        lines += on_the_card(table)
         lines += rank_spread(table)
         failed = table[~table["status"].isin(["ok", "oom"])]
         if len(failed):
@@ -117,6 +122,32 @@ def summary_markdown(table: pd.DataFrame, axes: list[str], env: dict, beside: st
     else:
         lines += ["(no rows)", ""]
     return "\n".join(lines)
+
+
+def on_the_card(table: pd.DataFrame) -> list[str]:
+    """The points with predicted_device_bytes (a device profile that knows its CUDA context): what the card
+    would show in use at the peak, against the capacity the point ran with."""
+    if "predicted_device_bytes" not in table or not table["predicted_device_bytes"].notna().any():
+        return []
+    rows = table[table["predicted_device_bytes"].notna()]
+    capacity = rows["imposed_capacity_bytes"].astype("Float64")
+    shown = pd.DataFrame({
+        "point_id": rows["point_id"], "device": rows["device"],
+        "peak allocated MiB": rows["peak_allocated_bytes"].map(mib),
+        "predicted on the card MiB": rows["predicted_device_bytes"].map(mib),
+        "predicted GiB": rows["predicted_device_bytes"].map(gib),
+        "capacity GiB": capacity.map(gib),
+        "left GiB": (capacity - rows["predicted_device_bytes"].astype("Float64")).map(gib)})
+    return ["## On the card (predicted_device_bytes)", "",
+            "What the card would show in use at the peak (nvidia-smi's figure for the process): the allocator "
+            "model's peak reserved bytes + two cuBLAS workspaces + the profile's CUDA context "
+            "(vlmprobe/device_profile.py). Capacity: the memory the point ran against (the card's total memory "
+            "as CUDA reports it, or measure.device_memory); a negative `left` does not fit.", "",
+            shown.to_markdown(index=False, disable_numparse=True), ""]
+
+
+def gib(value) -> str:
+    return "" if pd.isna(value) else f"{value / GiB:,.2f}"
 
 
 def rank_spread(table: pd.DataFrame) -> list[str]:

@@ -16,7 +16,7 @@ INPUT_COLUMNS = [
     "sweep", "point_id", "case", "model", "params", "trainable_params", "dtype", "autocast_dtype", "optimizer",
     "batch_size", "grad_accum_steps", "effective_batch_size", "lm_max_length", "image_size", "images_per_sample",
     "max_pixels", "image_tokens", "grad_ckpt_lm", "grad_ckpt_vision", "freeze_vision", "freeze_lm", "lora_r",
-    "dist", "world_size",
+    "dist", "world_size", "device",
     "attn_implementation", "alloc_conf", "hold_outputs", "steps",
 ]
 OUTPUT_COLUMNS = [
@@ -27,6 +27,9 @@ OUTPUT_COLUMNS = [
     "max_rank", "min_rank_peak_allocated_bytes", "rank_imbalance",  # rank of the peak; lowest rank peak; max / min
     "peak_reserved_bytes", "last_step_peak_reserved_bytes", "peak_active_bytes",
     "num_alloc_retries", "num_ooms", "nvml_used_bytes", "nvml_process_bytes",
+    # estimate/cpu with a device profile that knows its CUDA context: the allocator model's peak reserved + the
+    # cuBLAS workspaces + the context, what the card would show in use at the peak (cuda: nvml_process_bytes)
+    "predicted_device_bytes",
     "after_load_bytes",
     "after_step_bytes",  # allocated after the last optimizer step: what a training loop carries between steps
     "forward_peak_bytes", "backward_peak_bytes", "optimizer_peak_bytes", "peak_phase",

@@ -12,8 +12,18 @@ scaled_dot_product_attention (torch 2.11-2.13), for the inputs our models give (
 Where CUDA's chosen kernel raises instead of falling back (a memory-efficient bias whose dtype is not the
 query's), the estimate raises the same error.
 The dtype that counts is the one the kernel sees: under autocast, the autocast dtype.
-Not modelled: cuDNN attention (not preferred by default), per-architecture limits (e.g. large head dims
-in backward on consumer GPUs), dropout masks.
+With a target card (device=, vlmprobe.device_profile) the card's limits apply too (sdp_utils.cpp):
+- flash runs only where the profile says so (sm80-sm121: not on a V100), and on sm86/sm89/sm120/sm121 not
+  for training (an input that requires grad) with head_dim in (192, 224];
+- memory-efficient takes bf16 only from sm80, and fp32 head dims aligned to 1 below sm80 (no TF32 tensor
+  cores: minimum_gemm_alignment) rather than 4.
+So on a V100 fp16 attention with grouped KV heads (what transformers passes when there is no mask) runs the
+math kernel, as CUDA does there. Without a card: the rules of an sm80+ card with flash first (A100, RTX 30/40).
+Not modelled: cuDNN attention, which torch tries first on sm90 (H100/H20/H200) with a recent cuDNN. It keeps
+what flash keeps for backward (output and softmax statistics), so the flash-first order gives the same
+bytes wherever flash or memory-efficient would run; it also takes a mask with grouped KV heads, which here
+falls to math (transformers passes grouped heads only without a mask). Its per-call workspace is not
+counted. Nor head_dim > 224 with dropout on sm86/89, nor dropout masks.
 """
 
 from __future__ import annotations
@@ -23,16 +33,49 @@ import contextlib
 import torch
 import torch.nn.functional as F
 
+from vlmprobe.device_profile import DeviceProfile
+
 LOW_PRECISION = (torch.float16, torch.bfloat16)
 
 
-def cuda_kernel(dtype: torch.dtype, head_dim: int, has_mask: bool, grouped: bool) -> str:
-    """'flash', 'efficient' or 'math': what CUDA's SDPA would run for these inputs."""
-    if dtype in LOW_PRECISION and not has_mask and head_dim <= 256 and head_dim % 8 == 0:
+def cuda_kernel(dtype: torch.dtype, head_dim: int, has_mask: bool, grouped: bool,
+                device: DeviceProfile | None = None, requires_grad: bool = True) -> str:
+    """'flash', 'efficient' or 'math': what CUDA's SDPA would run for these inputs on `device` (None: an sm80+
+    card with both fused kernels). `requires_grad`: whether autograd will need the attention's backward."""
+    low = dtype in LOW_PRECISION
+    if low and not has_mask and head_dim <= 256 and head_dim % 8 == 0 and flash_runs(device, head_dim, requires_grad):
         return "flash"
-    if not grouped and head_dim % (8 if dtype in LOW_PRECISION else 4) == 0:
+    if not grouped and head_dim % efficient_alignment(device, low) == 0 and efficient_runs(device, dtype):
         return "efficient"
     return "math"
+
+
+def flash_runs(device: DeviceProfile | None, head_dim: int, requires_grad: bool) -> bool:
+    """The card runs flash attention for this head dim (check_flash_attention_hardware_support, and
+    check_requires_grad_and_head_dim_gt192_constraints_on_sm86_89_or_120: flash's backward there has no kernel
+    for head dims in (192, 224])."""
+    if device is None:
+        return True
+    if not device.sdpa["flash"]:
+        return False
+    consumer = (8, 6) <= device.compute_capability <= (8, 9) or (12, 0) <= device.compute_capability <= (12, 1)
+    return not (requires_grad and consumer and 192 < head_dim <= 224)
+
+
+def efficient_runs(device: DeviceProfile | None, dtype: torch.dtype) -> bool:
+    """The card runs memory-efficient attention in this dtype (check_mem_efficient_hardware_support; its
+    dtypes are fp16 and fp32 below sm80, bf16 too from sm80)."""
+    if device is None:
+        return True
+    return device.sdpa["efficient"] and (dtype != torch.bfloat16 or device.compute_capability >= (8, 0))
+
+
+def efficient_alignment(device: DeviceProfile | None, low_precision: bool) -> int:
+    """The head-dim multiple memory-efficient attention needs (minimum_gemm_alignment): 8 for fp16/bf16 (tensor
+    cores), 4 for fp32 from sm80 (TF32 tensor cores), 1 for fp32 below."""
+    if low_precision:
+        return 8
+    return 4 if device is None or device.compute_capability >= (8, 0) else 1
 
 
 def refuse_bias_dtype(kernel: str, dtype: torch.dtype, attn_mask) -> None:
@@ -51,8 +94,8 @@ def refuse_bias_dtype(kernel: str, dtype: torch.dtype, attn_mask) -> None:
 
 
 @contextlib.contextmanager
-def cuda_sdpa_choice():
-    """While active, F.scaled_dot_product_attention runs torch's math kernel where CUDA would."""
+def cuda_sdpa_choice(device: DeviceProfile | None = None):
+    """While active, F.scaled_dot_product_attention runs torch's math kernel where CUDA would on `device`."""
     original = F.scaled_dot_product_attention
 
     def sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
@@ -60,7 +103,9 @@ def cuda_sdpa_choice():
         if torch.is_autocast_enabled(query.device.type) and dtype.is_floating_point:
             dtype = torch.get_autocast_dtype(query.device.type)
         grouped = enable_gqa and query.shape[-3] != key.shape[-3]
-        kernel = cuda_kernel(dtype, query.shape[-1], attn_mask is not None, grouped)
+        # sdp_utils' input_requires_grad: grad mode on and any of q, k, v requiring grad
+        requires_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))
+        kernel = cuda_kernel(dtype, query.shape[-1], attn_mask is not None, grouped, device, requires_grad)
         refuse_bias_dtype(kernel, dtype, attn_mask)
         if kernel != "math":
             return original(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,

@@ -13,7 +13,7 @@ import traceback
 
 import torch
 
-from vlmprobe import backends
+from vlmprobe import backends, device_profile
 from vlmprobe.knobs import apply_knobs
 from vlmprobe.models.base import DataShape
 from vlmprobe.distributed import engines
@@ -61,7 +61,9 @@ def measure(point: dict) -> dict:
     data = DataShape.from_config(point["data"])
     report = StepReport()
     out: dict = {"backend": backend.name, "status": "ok"}
-    with backend.session(point["measure"].get("device_memory"), point["measure"]["record_history"]) as meter:
+    device = device_profile.from_config(point.get("device"))  # the target card, or None
+    capacity = device_profile.capacity(point["measure"].get("device_memory"), device)
+    with backend.session(capacity, point["measure"]["record_history"], device) as meter:
         try:
             engine = engines.make(point, backend.device())  # single GPU, DDP or sharded
             model = spec.build(engine.build_device, DTYPES[train["param_dtype"]], init=not engine.build_device_is_meta)
@@ -84,6 +86,8 @@ def measure(point: dict) -> dict:
         out.update(_report_columns(report))
         out["imposed_capacity_bytes"] = meter.capacity
         out.update(backend.final_stats(meter))
+        if out["status"] == "ok":  # an oom row's reservation is the capacity it ran into, not a prediction
+            out["predicted_device_bytes"] = backend.predicted_device_bytes(meter, device)
         out["notes"] = "; ".join(meter.notes) or None
         path = point["measure"].get("snapshot_file")
         if path and (point["measure"]["snapshot"] or out["status"] == "oom"):

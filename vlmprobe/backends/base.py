@@ -7,6 +7,7 @@ import contextlib
 
 import torch
 
+from vlmprobe.device_profile import DeviceProfile
 from vlmprobe.tracker import segment_bytes_in_message
 
 
@@ -16,11 +17,13 @@ class Backend(abc.ABC):
     isolate: bool  # whether each point must run in a fresh process (device allocator state leaks otherwise)
 
     @abc.abstractmethod
-    def session(self, capacity: int | None, record_history: str = "alloc") -> contextlib.AbstractContextManager:
+    def session(self, capacity: int | None, record_history: str = "alloc",
+                device: DeviceProfile | None = None) -> contextlib.AbstractContextManager:
         """Context for one point (build, batch, steps); yields the Meter, whose `capacity` says what was
         imposed. `capacity`: device bytes the point may use (an allocation past it raises OutOfMemoryError):
         the allocator model's capacity without a device, the caching allocator's limit on cuda.
-        `record_history`: measure.record_history (off | alloc | all), for backends with allocation history."""
+        `record_history`: measure.record_history (off | alloc | all), for backends with allocation history.
+        `device`: the point's target card (vlmprobe.device_profile), or None."""
 
     def device(self) -> torch.device:
         return torch.device(self.device_type)
@@ -42,6 +45,11 @@ class Backend(abc.ABC):
         (the size CUDA's message prints), and `oom_block_bytes`, the block it was asked for (the tensor's
         bytes rounded up to 512)."""
         return {"oom_segment_bytes": segment_bytes_in_message(message), "oom_block_bytes": None}
+
+    def predicted_device_bytes(self, meter, device: DeviceProfile | None) -> int | None:
+        """What the target card would show in use at the point's peak, where this backend predicts rather
+        than measures it (vlmprobe.device_profile.predicted_device_bytes); None here."""
+        return None
 
     def final_stats(self, meter) -> dict:
         """Columns only this backend knows (reserved, NVML, allocator counters); read after the steps."""

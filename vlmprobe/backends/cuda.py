@@ -12,6 +12,7 @@ import warnings
 
 import torch
 
+from vlmprobe import device_profile
 from vlmprobe.backends.base import Backend
 from vlmprobe.tracker import segment_bytes_in_message
 
@@ -135,10 +136,14 @@ class CudaBackend(Backend):
     isolate = True
 
     @contextlib.contextmanager
-    def session(self, capacity, record_history: str = "alloc"):
+    def session(self, capacity, record_history: str = "alloc", device=None):
         torch.cuda.init()
         notes = []
-        total = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
+        props = torch.cuda.get_device_properties(torch.cuda.current_device())
+        total = props.total_memory
+        other_card = device_profile.name_note(props.name, device)  # the profile names another card than this one
+        if other_card:
+            notes.append(other_card)
         fraction = imposed_fraction(capacity, total)
         if fraction is not None:
             # A smaller card, as far as the caching allocator goes: past total * fraction reserved bytes it
@@ -146,7 +151,8 @@ class CudaBackend(Backend):
             # (the CUDA context is not counted: it lives outside the allocator on every card)
             torch.cuda.set_per_process_memory_fraction(fraction)
         elif capacity is not None:
-            notes.append(f"device_memory {capacity} B not imposed: the card has only {total} B")
+            notes.append(f"capacity {capacity} B (measure.device_memory or the device profile's) not imposed: the "
+                         f"card has only {total} B")
         recording = record_history != "off" and allocator_backend() == "native"
         if recording:
             # Kept in host memory; changes no device figure. cudaMallocAsync cannot record (it raises), so

@@ -18,7 +18,9 @@ Modelling decisions (each one is what CUDA would do, applied on fake CPU tensors
 Not modelled (the error budget against a CUDA measurement): the CUDA context and NVML-only memory, cuBLAS /
 cuBLASLt workspaces, the caching allocator's block splitting and fragmentation (reserved - allocated; an
 allocated block can exceed the request when a cached block is reused unsplit), and kernel-internal
-workspaces that differ between CUDA and CPU kernels.
+workspaces that differ between CUDA and CPU kernels. With a target card (device=), its profile adds the
+cuBLAS workspaces and the CUDA context to the allocator model's peak reserved as predicted_device_bytes
+(vlmprobe.device_profile), and its capacity, dtypes and SDPA kernels apply.
 """
 
 from vlmprobe.backends.tracked import TrackedBackend

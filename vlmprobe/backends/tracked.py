@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import platform
 
+from vlmprobe import device_profile
 from vlmprobe.autocast_policy import cuda_autocast_policy
 from vlmprobe.backends.base import Backend
 from vlmprobe.sdpa_choice import cuda_sdpa_choice
@@ -22,6 +23,7 @@ class TrackerMeter:
         self.tracker = tracker
         self.capacity = capacity  # the allocator model's device capacity, or None (unbounded)
         self.notes: list[str] = []
+        self._reserved_closed = 0  # the allocator model's reserved peak in the windows reset_peak closed
 
     def sync(self) -> None:
         """CPU ops are synchronous: nothing is queued."""
@@ -33,7 +35,13 @@ class TrackerMeter:
         return {"allocated": self.tracker.peak}
 
     def reset_peak(self) -> None:
+        self._reserved_closed = self.reserved_peak()
         self.tracker.reset_peak()
+
+    def reserved_peak(self) -> int:
+        """The allocator model's peak reserved bytes over the whole session, model load included: the most
+        the caching allocator would have held from the card at once (reset_peak does not forget it)."""
+        return max(self._reserved_closed, self.tracker.allocator.peak_reserved)
 
 
 @contextlib.contextmanager
@@ -74,10 +82,10 @@ class TrackedBackend(Backend):
         self.fake = fake
 
     @contextlib.contextmanager
-    def session(self, capacity, record_history: str = "alloc"):
+    def session(self, capacity, record_history: str = "alloc", device=None):
         with contextlib.ExitStack() as stack:
             stack.enter_context(cuda_autocast_policy())
-            stack.enter_context(cuda_sdpa_choice())
+            stack.enter_context(cuda_sdpa_choice(device))  # the SDPA kernels the target card has
             if self.fake:
                 from torch._subclasses.fake_tensor import FakeTensorMode
 
@@ -86,6 +94,9 @@ class TrackedBackend(Backend):
                 stack.enter_context(real_run_answers_for_fake_batches())
             tracker = stack.enter_context(LiveBytesTracker(capacity, answer_fake_scalar_reads=self.fake))
             yield TrackerMeter(tracker, capacity)
+
+    def predicted_device_bytes(self, meter, device) -> int | None:
+        return device_profile.predicted_device_bytes(meter.reserved_peak(), device)
 
     def oom_columns(self, meter, message: str) -> dict:
         block, segment = meter.tracker.allocator.last_oom or (None, None)

@@ -11,13 +11,16 @@ from importlib.resources import files
 
 import pandas as pd
 
+from vlmprobe import device_profile
 from vlmprobe.results import MiB
 
 TABLE = files(__name__) / "nanovlm_issue103.csv"
 DEVICE = "RTX 3090"
-# torch.cuda.get_device_properties(0).total_memory on an RTX 3090: 23.69 GiB, not the nominal 24 GiB
-# (24,576 MiB) nor 24e9 B. Fitting is judged against what the allocator could ever have had.
-DEVICE_BYTES = 25_438_126_080
+# The card's profile (conf/device/rtx3090.yaml): torch.cuda.get_device_properties(0).total_memory on an RTX
+# 3090 is 23.69 GiB, not the nominal 24 GiB (24,576 MiB) nor 24e9 B. Fitting is judged against what the
+# allocator could ever have had.
+CARD = device_profile.load("rtx3090")
+DEVICE_BYTES = CARD.total_memory
 # what measure_vram.py ran, as a row's input columns: full fine-tune, no checkpointing, no accumulation, the
 # logits kept alive through backward and the optimizer step (hold_outputs)
 SETUP = ["model", "dtype", "autocast_dtype", "optimizer", "grad_accum_steps", "grad_ckpt_lm", "grad_ckpt_vision",

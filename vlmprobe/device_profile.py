@@ -1,0 +1,196 @@
+"""The target GPU of a point (`device=`, conf/device/<profile>.yaml): what the card reports and what runs on it.
+
+A profile is data: the name and total memory torch reports on the card, its compute capability, whether it
+has bfloat16, which SDPA kernels run there, the cuBLAS workspace torch allocates on that architecture and the
+CUDA context where a figure is known (each file cites its sources). `build` turns a profile's config into a
+DeviceProfile, refusing a bad value in one line; `device=none` (the default) is no profile.
+
+What a profile does to a point:
+- capacity: the card's total_memory is the point's device capacity (estimate and cpu: the allocator model's;
+  cuda: imposed on a larger card as measure.device_memory is). measure.device_memory, when also set, wins: it
+  imposes a smaller capacity on that card (as +find=max_batch does with its budget); one larger than the card
+  is a contradiction and is refused.
+- dtypes: bfloat16 on a card without it (below sm80) is refused before any point runs.
+- SDPA: vlmprobe.sdpa_choice runs flash and memory-efficient attention only where the card has them.
+- predicted_device_bytes (estimate, cpu): the allocator model's peak reserved + the CUDA context + the
+  cuBLAS workspaces, where the profile knows the context (empty otherwise).
+- cuda: the row's notes say so when the card the worker ran on is not the profile's.
+Pure: no CUDA. vlmprobe.backends.cuda reads the real card and calls name_note.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from vlmprobe.errors import ConfigError, refused
+from vlmprobe.sizes import parse_bytes
+
+GiB = 2**30
+SDPA_BACKENDS = ("flash", "efficient", "cudnn", "math")
+# cuBLAS workspaces a training step makes. torch keeps one workspace per (cuBLAS handle, stream)
+# (CublasHandlePool.cpp, cublas_handle_stream_to_workspace), and handles are reserved per thread
+# (DeviceThreadHandlePool). The forward runs on the calling thread; autograd runs the backward of CUDA
+# tensors on its own device thread, which reserves a second handle: two workspaces, both on the default
+# stream. (A reading of the sources, not measured here.)
+WORKSPACES_PER_STEP = 2
+
+
+@dataclass(frozen=True)
+class DeviceProfile:
+    key: str  # the config option (conf/device/<key>.yaml); the row's `device` column
+    name: str  # torch.cuda.get_device_name() on the card
+    total_memory: int  # bytes, torch.cuda.get_device_properties(0).total_memory
+    compute_capability: tuple[int, int]  # (major, minor): sm86 is (8, 6)
+    bf16: bool  # native bfloat16 (sm80+)
+    sdpa: dict  # flash, efficient, cudnn, math: whether each SDPA kernel runs there; default: the one torch tries first
+    cublas_workspace_bytes: int  # bytes of one cuBLAS workspace (per handle and stream), from the caching allocator
+    cublaslt_workspace_bytes: int  # bytes a cuBLASLt workspace adds to it (0 where Lt reuses the cuBLAS one)
+    cuda_context_bytes: int | None  # bytes of the CUDA context outside the allocator; None where not known
+
+    def describe(self) -> str:
+        major, minor = self.compute_capability
+        return f"{self.key} ({self.name}, {self.total_memory / GiB:.2f} GiB, sm{major}{minor})"
+
+
+def _bytes(key: str, value, allow_none: bool = False, allow_zero: bool = False) -> int | None:
+    if value is None and allow_none:
+        return None
+    if allow_zero and value == 0 and not isinstance(value, bool):
+        return 0
+    if value is None:
+        raise ConfigError(f"device.{key}=null is not allowed: give bytes or a size like 24GiB")
+    return parse_bytes(value, f"device.{key}")
+
+
+def _capability(value) -> tuple[int, int]:
+    text = str(value)
+    major, dot, minor = text.partition(".")
+    if isinstance(value, bool) or not dot or not major.isdigit() or not minor.isdigit():
+        raise ConfigError(f"device.compute_capability={value!r} is not allowed: give major.minor as torch reports "
+                          f"it (torch.cuda.get_device_capability), e.g. 8.6")
+    return int(major), int(minor)
+
+
+def _sdpa(value) -> dict:
+    if not isinstance(value, dict) or set(value) != {*SDPA_BACKENDS, "default"}:
+        raise ConfigError(f"device.sdpa={value!r} is not allowed: give {', '.join(SDPA_BACKENDS)} (true or false) "
+                          f"and default (the kernel torch tries first)")
+    for kernel in SDPA_BACKENDS:
+        if not isinstance(value[kernel], bool):
+            raise ConfigError(f"device.sdpa.{kernel}={value[kernel]!r} is not allowed: use true or false")
+    if not value["math"]:
+        raise ConfigError("device.sdpa.math=false is not allowed: the math kernel runs on every CUDA card")
+    if value["default"] not in SDPA_BACKENDS or not value[value["default"]]:
+        runs = [k for k in SDPA_BACKENDS if value[k]]
+        raise ConfigError(f"device.sdpa.default={value['default']!r} is not allowed: use one of the kernels that run "
+                          f"there ({', '.join(runs)})")
+    return dict(value)
+
+
+def build(profile=None, name=None, total_memory=None, compute_capability=None, bf16=None, sdpa=None,
+          cublas_workspace_bytes=None, cublaslt_workspace_bytes=None, cuda_context_bytes=None) -> DeviceProfile | None:
+    """The `_target_` of conf/device/*.yaml: a DeviceProfile, or None for `profile: null` (device=none)."""
+    if profile is None:
+        return None
+    if not isinstance(profile, str) or not profile.strip():
+        raise ConfigError(f"device.profile={profile!r} is not allowed: give the profile's name (its file's name)")
+    if not isinstance(name, str) or not name.strip():
+        raise ConfigError(f"device.name={name!r} is not allowed: give the name torch.cuda.get_device_name() reports")
+    if not isinstance(bf16, bool):
+        raise ConfigError(f"device.bf16={bf16!r} is not allowed: use true or false")
+    return DeviceProfile(
+        key=profile, name=name.strip(), total_memory=_bytes("total_memory", total_memory),
+        compute_capability=_capability(compute_capability), bf16=bf16, sdpa=_sdpa(sdpa),
+        cublas_workspace_bytes=_bytes("cublas_workspace_bytes", cublas_workspace_bytes),
+        cublaslt_workspace_bytes=_bytes("cublaslt_workspace_bytes", cublaslt_workspace_bytes, allow_zero=True),
+        cuda_context_bytes=_bytes("cuda_context_bytes", cuda_context_bytes, allow_none=True))
+
+
+def from_config(cfg: dict | None) -> DeviceProfile | None:
+    """The profile of a point's composed `device` node (plain data), built through its `_target_`; a value the
+    builder refuses is its one line, anything else (a key the builder does not take) quotes Hydra."""
+    if cfg is None:
+        return None
+    from hydra.utils import instantiate
+
+    try:
+        return instantiate(cfg, _convert_="all")
+    except Exception as exc:  # Hydra's InstantiationException wraps the builder's own refusal
+        cause = exc.__cause__ or exc
+        if isinstance(cause, ConfigError):
+            raise cause from None
+        raise refused(f"device={cfg.get('profile')}", f"{cfg.get('_target_')}", cause) from None
+
+
+def load(key: str) -> DeviceProfile:
+    """conf/device/<key>.yaml as a DeviceProfile (for code that names a card, e.g. the finding check)."""
+    from omegaconf import OmegaConf
+
+    from vlmprobe.overrides import CONF
+
+    return from_config(OmegaConf.to_container(OmegaConf.load(CONF / "device" / f"{key}.yaml"), resolve=True))
+
+
+def check(device_memory: int | None, train: dict, dist: dict, profile: DeviceProfile | None) -> None:
+    """What a point asks of its target card, refused in one line before any heavy work: a capacity above the
+    card's, or bfloat16 on a card without it. `device_memory`: measure.device_memory in bytes."""
+    if profile is None:
+        return
+    if device_memory is not None and device_memory > profile.total_memory:
+        raise ConfigError(f"measure.device_memory={device_memory} is not allowed with device={profile.key}: the "
+                          f"{profile.name} has {profile.total_memory:,} B ({profile.total_memory / GiB:.2f} GiB); "
+                          f"give at most that, or null to use the card's")
+    if profile.bf16:
+        return
+    dtypes = {"train.param_dtype": train.get("param_dtype"), "train.autocast_dtype": train.get("autocast_dtype"),
+              "dist.mp_param_dtype": dist.get("mp_param_dtype"), "dist.mp_reduce_dtype": dist.get("mp_reduce_dtype")}
+    for key, dtype in dtypes.items():
+        if dtype == "bfloat16":
+            major, minor = profile.compute_capability
+            raise ConfigError(f"{key}=bfloat16 is not allowed with device={profile.key}: the {profile.name} (sm{major}"
+                              f"{minor}) has no bfloat16 kernels (they need sm80+); use float16 or float32")
+
+
+def capacity(device_memory: int | None, profile: DeviceProfile | None) -> int | None:
+    """The device bytes a point may use: measure.device_memory where set (a smaller card imposed on this one),
+    else the card's total_memory, else none (unbounded)."""
+    if device_memory is not None:
+        return device_memory
+    return profile.total_memory if profile is not None else None
+
+
+def names_match(real: str, expected: str) -> bool:
+    """Whether torch's name for the card is the profile's. Older drivers name cards without the vendor
+    ("GeForce RTX 3090", "A100-PCIE-40GB"), so a leading "NVIDIA" is not compared; case and spacing neither."""
+    def norm(name: str) -> str:
+        words = name.lower().split()
+        return " ".join(words[1:] if words[:1] == ["nvidia"] else words)
+
+    return norm(real) == norm(expected)
+
+
+def name_note(real: str, profile: DeviceProfile | None) -> str | None:
+    """The row's note when a CUDA worker ran on another card than its profile's; None when they agree."""
+    if profile is None or names_match(real, profile.name):
+        return None
+    return (f"device={profile.key} is the {profile.name}, but this ran on the {real}: the figures are that card's "
+            f"(its kernels, workspaces and context), with the profile's capacity imposed where the card is larger")
+
+
+def workspace_bytes(profile: DeviceProfile) -> int:
+    """Bytes of the cuBLAS (and cuBLASLt) workspaces a training step allocates through the caching allocator."""
+    return WORKSPACES_PER_STEP * (profile.cublas_workspace_bytes + profile.cublaslt_workspace_bytes)
+
+
+def predicted_device_bytes(peak_reserved: int | None, profile: DeviceProfile | None) -> int | None:
+    """What the card would show in use at the peak (nvidia-smi's figure for the process): the allocator model's
+    peak reserved bytes, the cuBLAS workspaces (allocated through the caching allocator on CUDA, not by the
+    estimate's fake step) and the CUDA context (outside the allocator). None without a profile or where the
+    profile does not know the context.
+
+    The workspaces are added whole: on Hopper each (32 MiB) is a segment of its own, exactly; elsewhere each
+    (8.125 MiB) takes part of a 20 MiB segment that other small blocks may share, so the true addition lies
+    between 0 and 20 MiB a workspace."""
+    if profile is None or profile.cuda_context_bytes is None or peak_reserved is None:
+        return None
+    return peak_reserved + workspace_bytes(profile) + profile.cuda_context_bytes
