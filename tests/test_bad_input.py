@@ -86,6 +86,15 @@ BAD_INPUT = {
                                         "RTX 3090 has 25,438,126,080 B"),
     "a profile value its builder refuses": (["model=nanovlm_tiny", "device=rtx3090", "device.compute_capability=sm86"],
                                             "device.compute_capability='sm86' is not allowed: give major.minor"),
+    # launchers (issue 14)
+    "pool of no jobs": (["launcher=pool", "launcher.jobs=0"], "launcher.jobs=0 is not allowed: give an integer >= 1"),
+    "pool of negative jobs": (["launcher=pool", "launcher.jobs=-1"], "launcher.jobs=-1 is not allowed: give an integer >= 1"),
+    "pool jobs not a number": (["launcher=pool", "launcher.jobs=x"], "launcher.jobs='x' is not allowed: give an integer >= 1"),
+    "unknown launcher": (["launcher=slurm"], "launcher='slurm' is not allowed: use one of local, pool"),
+    "pool of points that are not isolated": (["model=nanovlm_tiny", "launcher=pool", "measure.isolate=false"],
+                                             "launcher=pool is not allowed with measure.isolate=false"),
+    "pool on cuda without a GPU": (["launcher=pool", "measure.backend=cuda"],
+                                   "measure.backend=cuda is not allowed here: no CUDA GPU is visible"),
 }
 
 
@@ -93,7 +102,7 @@ BAD_INPUT = {
 def test_bad_input_is_one_line_naming_the_value_and_nothing_is_written(cli, tmp_path, case):
     import torch
 
-    if case == "cuda without a GPU" and torch.cuda.is_available():
+    if case in ("cuda without a GPU", "pool on cuda without a GPU") and torch.cuda.is_available():
         pytest.skip("a GPU is visible")
     args, message = BAD_INPUT[case]
     code, lines = cli(args)

@@ -16,7 +16,7 @@ SWEEPS = sorted(p.stem for p in (CONF / "sweep").glob("*.yaml"))
 HF_TINY = TESTS / "data" / "hf" / "qwen2_5_vl_tiny"
 NEEDS = {"hf": [f"model.config={HF_TINY}"]}
 GROUPS = {g: sorted(p.stem for p in (CONF / g).glob("*.yaml"))
-          for g in ("data", "train", "measure", "optimizer", "dist", "device")}
+          for g in ("data", "train", "measure", "optimizer", "dist", "device", "launcher")}
 
 
 @pytest.mark.parametrize("model", MODELS)
@@ -49,6 +49,14 @@ def test_every_group_option_composes_and_instantiates(compose, group, option):
 
         card = device_profile.from_config(OmegaConf.to_container(cfg.device, resolve=True))
         assert card is None if option == "none" else (card.key == option and card.total_memory > 0)
+    if group == "launcher":  # plain data, checked as the command checks it; the file's name is its `name`
+        from omegaconf import OmegaConf
+
+        from vlmprobe import launchers
+
+        launcher = OmegaConf.to_container(cfg.launcher, resolve=True)
+        launchers.check(launcher, "estimate")
+        assert launcher["name"] == option and (option == "local" or launchers.jobs(launcher) >= 1)
     if group == "optimizer":
         if option == "adamw_8bit" and importlib.util.find_spec("bitsandbytes") is None:
             pytest.skip("bitsandbytes is not installed (its rows say `skipped`, see test_knobs)")

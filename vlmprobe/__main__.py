@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 
 # Keys that do not decide the rows: a resumed dir may be given them differently.
-NOT_DECIDING = ("results_dir", "resume", "dry_run", "sweep.max_points")
+NOT_DECIDING = ("results_dir", "resume", "dry_run", "sweep.max_points", "launcher")
 
 
 def say(line: str) -> None:
@@ -28,7 +28,7 @@ def run(cfg, overrides: list[str], compose, state: dict) -> int:
 
     from omegaconf import OmegaConf
 
-    from vlmprobe import backends
+    from vlmprobe import backends, launchers
     from vlmprobe.errors import ConfigError
     from vlmprobe.find import MaxBatchSearch
     from vlmprobe.grid import flatten_axes, flatten_cases
@@ -42,12 +42,14 @@ def run(cfg, overrides: list[str], compose, state: dict) -> int:
     base.pop("hydra", None)
     check_top_level(base)
     backend, note = backends.resolve(base["measure"]["backend"])
+    launchers.check(base["launcher"], backend)
     if base["resume"]:
         check_resume(Path(base["resume"]), base)
         state["out_dir"] = Path(base["resume"])  # its rows are kept whatever happens next
     check_size(compose, overrides, base, len(grid_points(overrides, base)))
     search = MaxBatchSearch(compose, overrides, base) if base["find"] else None
     planned = search.planned if search else plan(compose, overrides, base)
+    launchers.check_points(base["launcher"], [p.config for p in planned])
     if note:
         say(note)
     what = f"{len(planned)} configurations to bisect" if search else f"{len(planned)} points"
@@ -89,7 +91,7 @@ def run(cfg, overrides: list[str], compose, state: dict) -> int:
         if search:
             search.run(runner)
         else:
-            run_sweep(planned, runner)
+            run_sweep(planned, runner, base["launcher"])
     except KeyboardInterrupt as exc:  # the CSV holds every finished row: make the tables from them, then say so
         interrupted = exc
     table, failures = write_reports(out_dir, axes, env)

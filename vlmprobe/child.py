@@ -2,7 +2,9 @@
 
 Workers and launched jobs start their own session so that killing the group reaches every process they
 started (torchrun's ranks, a worker's threads). The other side of that: the terminal's Ctrl-C reaches only
-the sweep's group, so the sweep ends the child's group itself before the interruption goes on.
+the sweep's group, so the sweep ends the child's group itself before the interruption goes on. Children
+started from other threads (launcher=pool) cannot see the Ctrl-C, which reaches the main thread only: they
+are registered in a `Children`, whose kill() the main thread calls.
 """
 
 from __future__ import annotations
@@ -11,13 +13,44 @@ import contextlib
 import os
 import signal
 import subprocess
+import threading
 
 
-def run(command: list[str], stdin: str | None, env: dict | None, timeout: float | None) -> tuple[int | None, str, str]:
+class Children:
+    """The children running now, started from several threads; kill() ends every one of them and, at once,
+    any started after it (a thread may be between deciding to start a worker and starting it)."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._running: set[subprocess.Popen] = set()
+        self.killed = False
+
+    def add(self, proc: subprocess.Popen) -> None:
+        with self._lock:
+            self._running.add(proc)
+            if self.killed:
+                kill_group(proc)
+
+    def discard(self, proc: subprocess.Popen) -> None:
+        with self._lock:
+            self._running.discard(proc)
+
+    def kill(self) -> None:
+        with self._lock:
+            self.killed = True
+            for proc in self._running:
+                if proc.returncode is None:  # not yet reaped: its pid (and group id) is still its own
+                    kill_group(proc)
+
+
+def run(command: list[str], stdin: str | None, env: dict | None, timeout: float | None,
+        children: Children | None = None) -> tuple[int | None, str, str]:
     """(exit code, stdout, stderr) of `command`; the exit code is None when it outlived `timeout` seconds
-    (it is then killed with its whole group)."""
+    (it is then killed with its whole group). With `children`, the child is registered there while it runs."""
     proc = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env=env, start_new_session=True)
+    if children is not None:
+        children.add(proc)
     try:
         stdout, stderr = proc.communicate(stdin, timeout=timeout)
         return proc.returncode, stdout, stderr
@@ -29,6 +62,9 @@ def run(command: list[str], stdin: str | None, env: dict | None, timeout: float 
         kill_group(proc)
         proc.wait()
         raise
+    finally:
+        if children is not None:
+            children.discard(proc)
 
 
 def kill_group(proc: subprocess.Popen) -> None:

@@ -3,7 +3,8 @@
 A point runs in a fresh worker process when its backend needs one (cuda: allocator state must not leak
 between points) or when measure.isolate=true; otherwise in this process. An out-of-memory is a row with
 status `oom`; a worker that raises is `error`, one that dies (signal, other exit) is `crash`, one that
-outlives measure.timeout_s is `timeout`. Every row is on disk before the next point starts.
+outlives measure.timeout_s is `timeout`. Every row is on disk before the next point starts (launcher=local;
+under launcher=pool, as soon as its point finishes: vlmprobe.launchers).
 """
 
 from __future__ import annotations
@@ -44,9 +45,11 @@ def worker_env(config: dict) -> dict:
     return env
 
 
-def call_worker(request: dict, env: dict, timeout: float | None) -> dict:
-    """Run `python -m vlmprobe.worker` on one request; its result, or a failed row."""
-    code, stdout, stderr = child.run([sys.executable, "-m", "vlmprobe.worker"], json.dumps(request), env, timeout)
+def call_worker(request: dict, env: dict, timeout: float | None, children: child.Children | None = None) -> dict:
+    """Run `python -m vlmprobe.worker` on one request; its result, or a failed row. `children`: where a worker
+    started off the main thread is registered, so that a Ctrl-C can end it (launcher=pool)."""
+    code, stdout, stderr = child.run([sys.executable, "-m", "vlmprobe.worker"], json.dumps(request), env, timeout,
+                                     children)
     if code is None:
         return {"status": "timeout", "error": f"no result after {timeout} s; stderr tail: {stderr[-TAIL:]}"}
     lines = [line for line in stdout.splitlines() if line.startswith(ROW_PREFIX)]
@@ -85,8 +88,8 @@ def describe_backend(name: str, config: dict) -> dict:
 
 
 class Runner:
-    """Runs planned points into out_dir/results.csv, one row each, written before the next point starts. A
-    point whose id already has a row there (resume) is not run again: its row is returned."""
+    """Runs planned points into out_dir/results.csv, one row each, written as soon as its point ends. A point
+    whose id already has a row there (resume) is not run again: its row is returned."""
 
     def __init__(self, out_dir: Path, columns: list[str]):
         self.out_dir = out_dir
@@ -103,6 +106,10 @@ class Runner:
         outputs = {"status": "skipped", "error": item.skip} if item.skip else run_point(self.with_snapshot_file(item))
         if interrupt.received():  # Ctrl-C struck inside the point and a library turned it into a failure
             raise KeyboardInterrupt
+        return self.record(item, outputs)
+
+    def record(self, item, outputs: dict) -> dict:
+        """Append the row of a point that has run (here, or in a worker of launcher=pool) and say so."""
         outputs.setdefault("backend", item.config["measure"]["backend"])
         if "ranks" in outputs:
             self.ranks.append(item.point.id, outputs.pop("ranks"))
@@ -116,7 +123,6 @@ class Runner:
                    file=sys.stderr)
         return row
 
-
     def with_snapshot_file(self, item) -> dict:
         """The point's config with the file its allocator snapshot goes to, should it write one."""
         name = hashlib.sha1(item.point.id.encode()).hexdigest()[:12]
@@ -124,12 +130,16 @@ class Runner:
         return {**item.config, "measure": measure}
 
 
-def run_sweep(planned, runner: Runner) -> None:
-    """Run every planned point that has no row yet, with a progress bar."""
+def run_sweep(planned, runner: Runner, launcher: dict | None = None) -> None:
+    """Run every planned point that has no row yet, with a progress bar, through the launcher (vlmprobe.launchers;
+    None: launcher=local)."""
+    from vlmprobe import launchers
+
     todo = [p for p in planned if p.point.id not in runner.done]
     if len(todo) < len(planned):
         tqdm.write(f"resume: {len(planned) - len(todo)} of {len(planned)} points already have rows", file=sys.stderr)
-    bar = tqdm(todo, desc="points", unit="point", dynamic_ncols=True)
-    for item in bar:
-        bar.set_postfix_str(item.point.id)
-        runner.run(item)
+    bar = tqdm(total=len(todo), desc="points", unit="point", dynamic_ncols=True)
+    try:
+        launchers.run_points(todo, runner, launcher or {"name": "local"}, bar)
+    finally:
+        bar.close()
