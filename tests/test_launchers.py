@@ -45,6 +45,7 @@ def test_pool_gives_the_rows_local_gives(tmp_path, monkeypatch, capsys):
     pd.testing.assert_frame_equal(pooled, table(results_dir(tmp_path / "local")))
 
 
+@pytest.mark.slow  # ~30 s of workers; the Ctrl-C and equal-rows tests keep pool in CI
 def test_under_pool_a_failed_point_is_a_row_and_a_distributed_point_runs_in_the_sweep(tmp_path):
     # 0.5 s is too short for a worker to import torch: that point times out; the other pool point is ok, and
     # the FSDP2 points (in the sweep process, where no timeout applies) are ok too
