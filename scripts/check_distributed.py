@@ -13,12 +13,9 @@ import os
 import sys
 
 import pandas as pd
-from hydra import compose, initialize_config_dir
-from omegaconf import OmegaConf
 
-from vlmprobe.overrides import CONF
 from vlmprobe.distributed.ranks import RANK_VALUE_COLUMNS, measure_point
-from vlmprobe.plan import plan
+from vlmprobe.plan import plan_overrides
 from vlmprobe.results import MiB
 from vlmprobe.worker import measure
 
@@ -26,9 +23,7 @@ BYTES = [c for c in RANK_VALUE_COLUMNS if c.endswith("_bytes")]
 
 
 def run(overrides: list[str]) -> dict:
-    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
-        config = lambda extra: compose(config_name="config", overrides=list(extra))  # noqa: E731
-        (planned,) = plan(config, overrides, OmegaConf.to_container(config(overrides), resolve=True))
+    (planned,) = plan_overrides(overrides)
     return measure_point(planned.config, measure, dict(os.environ))
 
 

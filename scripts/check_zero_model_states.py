@@ -37,13 +37,10 @@ import time
 
 import pandas as pd
 import torch
-from hydra import compose, initialize_config_dir
-from omegaconf import OmegaConf
 
-from vlmprobe.overrides import CONF
 from vlmprobe.distributed.ranks import simulate_elsewhere
 from vlmprobe.models.base import count_params
-from vlmprobe.plan import plan
+from vlmprobe.plan import plan_overrides
 from vlmprobe.results import GiB
 from vlmprobe.worker import build_spec
 
@@ -54,9 +51,7 @@ SHORT = {"nanovlm_222m": ["data.lm_max_length=128"],  # 49 image tokens at its 2
 
 
 def planned_config(overrides: list[str]) -> dict:
-    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
-        config = lambda extra: compose(config_name="config", overrides=list(extra))  # noqa: E731
-        (point,) = plan(config, overrides, OmegaConf.to_container(config(overrides), resolve=True))
+    (point,) = plan_overrides(overrides)
     return point.config
 
 

@@ -110,7 +110,7 @@ def run(cfg, overrides: list[str], compose, state: dict) -> int:
 def check_top_level(base: dict) -> None:
     """The keys of config.yaml itself (the groups are checked per point by plan.py)."""
     from vlmprobe.errors import ConfigError
-    from vlmprobe.plan import parse_bytes
+    from vlmprobe.sizes import parse_bytes
 
     if not isinstance(base["dry_run"], bool):
         raise ConfigError(f"dry_run={base['dry_run']!r} is not allowed: use true or false")

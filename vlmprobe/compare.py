@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from vlmprobe.results import INPUT_COLUMNS, MiB, read_results_dir, read_table
+from vlmprobe.results import INPUT_COLUMNS, MiB, read_results_dir, read_table, value_text
 
 NOT_KEYS = {"params", "trainable_params"}
 
@@ -48,11 +48,7 @@ def load(out_dir: Path) -> tuple[pd.DataFrame, dict]:
 
 def key_text(value) -> str:
     """A key cell as text both tables agree on: a column with an empty cell is read as float (224 -> 224.0)."""
-    if pd.isna(value):
-        return ""
-    if isinstance(value, float) and value.is_integer():
-        return str(int(value))
-    return str(value)
+    return value_text(value, "")
 
 
 def keyed(table: pd.DataFrame, keys: list[str]) -> pd.DataFrame:

@@ -21,7 +21,8 @@ from tqdm import tqdm
 from vlmprobe import device_profile
 from vlmprobe.errors import ConfigError
 from vlmprobe.grid import Point
-from vlmprobe.plan import grid_points, parse_bytes, plan_point
+from vlmprobe.plan import grid_points, plan_point
+from vlmprobe.sizes import parse_bytes
 from vlmprobe.results import GiB, MiB
 
 

@@ -251,3 +251,16 @@ def plan_point(compose, overrides: list[str], point: Point) -> PlannedPoint:
 def plan(compose, overrides: list[str], base: dict) -> list[PlannedPoint]:
     """Every point of the sweep, composed and validated, before anything runs."""
     return [plan_point(compose, overrides, point) for point in grid_points(overrides, base)]
+
+
+def plan_overrides(overrides: list[str]) -> list[PlannedPoint]:
+    """The planned points of a command line's overrides, composed from conf/ (for scripts that run points
+    without the command around them)."""
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
+
+    from vlmprobe.overrides import CONF
+
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        config = lambda extra: compose(config_name="config", overrides=list(extra))  # noqa: E731
+        return plan(config, overrides, OmegaConf.to_container(config(overrides), resolve=True))

@@ -12,7 +12,7 @@ import pandas as pd
 
 from vlmprobe import check, reference
 from vlmprobe.errors import first_line, log_internal_error
-from vlmprobe.results import GiB, axis_column, mib, pivot, read_table
+from vlmprobe.results import GiB, axis_column, mib, pivot, read_table, value_text
 
 BACKEND_WORDS = {
     "cuda": "measured on a CUDA GPU (torch.cuda.max_memory_allocated)",
@@ -64,13 +64,9 @@ def write_parquet(table: pd.DataFrame, path: Path) -> None:
 
 def cell_text(value) -> str:
     """A swept value as a label: null for a missing one, 8 rather than 8.0 for a whole number."""
-    if isinstance(value, (list, tuple, dict)):
+    if isinstance(value, (list, tuple, dict)):  # pd.isna of a list is a list, not a bool
         return str(value)
-    if pd.isna(value):
-        return "null"
-    if isinstance(value, float) and value.is_integer():
-        return str(int(value))
-    return str(value)
+    return value_text(value, "null")
 
 
 def labelled(table: pd.DataFrame, columns: list[str]) -> pd.DataFrame:

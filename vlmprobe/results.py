@@ -54,6 +54,16 @@ def columns_for(axes: list[str]) -> list[str]:
     return INPUT_COLUMNS + [axis_column(a) for a in axes if axis_column(a) not in INPUT_COLUMNS] + OUTPUT_COLUMNS
 
 
+def value_text(value, missing: str) -> str:
+    """A table cell as text: `missing` for an empty cell, 8 rather than 8.0 for a whole number (a column with an
+    empty cell is read as float), anything else as str()."""
+    if pd.isna(value):
+        return missing
+    if isinstance(value, float) and value.is_integer():
+        return str(int(value))
+    return str(value)
+
+
 class RowWriter:
     """Appends one CSV row per finished point and flushes it to disk at once, so a sweep killed at any
     moment keeps every row it finished. On resume it keeps the existing header."""
