@@ -2,11 +2,11 @@
 """Speed of the estimate backend on this machine, against the targets of the estimate issue.
 
 Runs (1) one qwen2_vl_7b point (bf16 weights, batch 1, lm_max_length 2048, 448 px), (2) the whole seq_len
-sweep, under launcher=local and under launcher=pool (all usable cores), and (3) one qwen2_vl_7b FSDP2 point
-at world size 8 (all ranks alike, so one rank is simulated), each as `python -m vlmprobe ...
-measure.backend=estimate` in a subprocess, and prints a table: step time (the row's step_time_s), wall time
+sweep and (3) the 100-point grid100 sweep, each under launcher=local and under launcher=pool (all usable
+cores), and (4) one qwen2_vl_7b FSDP2 point at world size 8 (all ranks alike, so one rank is simulated),
+each as `python -m vlmprobe ... measure.backend=estimate` in a subprocess, and prints a table: step time (the row's step_time_s), wall time
 and the subprocess's peak RSS (under pool: the sweep process's own, not its workers'), then the ratio of
-the seq_len sweep's wall times, local / pool.
+each sweep's wall times, local / pool.
 
     python scripts/bench_estimate.py [NAME_PART]   # e.g. fsdp2: only the cases whose name contains it
 """
@@ -30,6 +30,9 @@ CASES = [
     # the same points, several at once (the issue's target for the sweep: 12 s on a 2-core machine)
     ("seq_len sweep (8 points), launcher=pool", ["+sweep=seq_len", "launcher=pool"], {"wall_s": 12.0}),
     # the sharding issue's target for a distributed point (stated for zero3; fsdp2 is the engine here)
+    # the launcher issue's targets: a usual 100-point question in at most 2.5 minutes, under either launcher
+    ("grid100 (100 points)", ["+sweep=grid100"], {"wall_s": 150.0}),
+    ("grid100 (100 points), launcher=pool", ["+sweep=grid100", "launcher=pool"], {"wall_s": 150.0}),
     ("qwen2_vl_7b fsdp2 world 8 (one rank simulated)",
      ["model=qwen2_vl_7b", "dist=fsdp2_bf16", "dist.world_size=8", "data.batch_size=1", "data.lm_max_length=2048",
       "data.image_size=448"], {"wall_s": 30.0, "rss_gib": 2.0}),
@@ -63,10 +66,11 @@ def main() -> None:
                      "targets": ", ".join(f"{k} <= {v}" for k, v in targets.items()), "meets": verdict})
     print(pd.DataFrame(rows).to_markdown(index=False))
     walls = {row["case"]: row["wall_s"] for row in rows}
-    local, pool = walls.get("seq_len sweep (8 points)"), walls.get("seq_len sweep (8 points), launcher=pool")
-    if local and pool:
-        print(f"\nseq_len sweep wall time, local / pool: {local / pool:.2f} "
-              f"(pool: {len(os.sched_getaffinity(0))} jobs, launcher.jobs=null)")
+    for sweep in ("seq_len sweep (8 points)", "grid100 (100 points)"):
+        local, pool = walls.get(sweep), walls.get(f"{sweep}, launcher=pool")
+        if local and pool:
+            print(f"\n{sweep} wall time, local / pool: {local / pool:.2f} "
+                  f"(pool: {len(os.sched_getaffinity(0))} jobs, launcher.jobs=null)")
     print("\nrss_gib: peak resident set of the vlmprobe process (GiB, 1024^3 B); step_time_s: slowest point's last step.")
 
 
