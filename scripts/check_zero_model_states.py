@@ -32,6 +32,7 @@ Needs DeepSpeed (pip install -e ".[deepspeed]"). Figures in GiB = 1024^3 bytes.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 import time
 
@@ -68,8 +69,10 @@ EXPLAINED = {2: lambda P, L, N, R: 6 * P / N, 3: lambda P, L, N, R: 4 * L + 2 * 
 
 
 def deepspeed_formula(stage: int, params: int, largest: int, world: int) -> int:
-    from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
-    from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
+    # DeepSpeed logs to stdout (its accelerator choice, on import): keep the printed table clean
+    with contextlib.redirect_stdout(sys.stderr):
+        from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
+        from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
 
     if stage == 2:
         return estimate_zero2_model_states_mem_needs(params, world, cpu_offload=False)[1]
