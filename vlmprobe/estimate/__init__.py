@@ -26,9 +26,14 @@ Modelling decisions (each one is what CUDA would do, applied on fake CPU tensors
   would for fake tensors, taking them for tracing).
 
 Not modelled (the error budget against a CUDA measurement): the CUDA context and NVML-only memory, cuBLAS /
-cuBLASLt workspaces, the caching allocator's block splitting and fragmentation (reserved - allocated; an
-allocated block can exceed the request when a cached block is reused unsplit), and kernel-internal
-workspaces that differ between CUDA and CPU kernels. With a target card (device=), its profile adds the
-cuBLAS workspaces and the CUDA context to the allocator model's peak reserved as predicted_device_bytes
-(vlmprobe.estimate.device_profile), and its capacity, dtypes and SDPA kernels apply.
+cuBLASLt workspaces (CUDA counts them in memory_allocated: 2 x 8,519,680 B on sm86; the estimate adds them to
+predicted_device_bytes only), the caching allocator's block splitting and fragmentation (reserved - allocated;
+an allocated block can exceed the request when a cached block is reused unsplit) for CUDA's own allocation
+sequence, and kernel-internal workspaces that differ between CUDA and CPU kernels (attention backward,
+reductions, embedding backward). Per sample, the estimate charges exactly the saved-tensor families that
+scripts/check_per_sample.py counts by hand (tests/test_per_sample.py, to the byte); on nanoVLM issue #103
+CUDA held ~10 MiB (length 128) and ~37 MiB (512) a sample beyond them, which no saved tensor in PyTorch's
+CUDA kernels we read accounts for (README, "The missing bytes per sample"). With a target card (device=),
+its profile adds the cuBLAS workspaces and the CUDA context to the allocator model's peak reserved as
+predicted_device_bytes (vlmprobe.estimate.device_profile), and its capacity, dtypes and SDPA kernels apply.
 """

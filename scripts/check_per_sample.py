@@ -1,0 +1,175 @@
+#!/usr/bin/env python
+"""What one more sample costs at the peak of nanoVLM issue #103's setup: a hand count, family by family,
+against the estimate and the published RTX 3090 slope.
+
+The step's peak (at batch 8 and 16, both lengths) is its first backward op, nll_loss_backward: every tensor
+the forward saved for backward is alive, with the logits measure_vram.py holds in `_`, the fp32 copy of the
+log-probabilities nll_loss saved and the fp32 gradient it is writing. `hand_count` lists what one sample adds
+to that moment, tensor family by tensor family, from the model's dimensions and the source of each saved
+tensor (PyTorch's derivatives.yaml and CUDA's autocast lists, read for torch 2.13). The estimate backend runs
+batch 8 and 16 of `+sweep=seq_len`; per sample = (batch 16 - batch 8) / 8 of:
+  - requested: the allocator model's peak of requested bytes (tensor sizes, no block rounding);
+  - allocated: its peak allocated bytes (block sizes, what max_memory_allocated reports);
+beside the published slope over the same batches. hand == requested says the estimate charges exactly these
+families and nothing else; published - requested is what CUDA allocated per sample beyond them (with block
+rounding, which the allocator model makes for its own allocation sequence only).
+
+    python scripts/check_per_sample.py [--lengths 128,512]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+
+import pandas as pd
+
+from vlmprobe import backends, reference
+from vlmprobe.plan import plan_overrides
+from vlmprobe.results import MiB
+from vlmprobe.worker import measure
+
+BATCHES = (8, 16)  # where the published table has both lengths
+BF16, FP32, INT64 = 2, 4, 8
+
+
+def hand_count(model: dict, length: int) -> list[tuple[str, str, int]]:
+    """(family, formula, bytes) a sample of `length` LM tokens keeps at the backward peak: nanoVLM-222M's
+    step (vlmprobe.models.nanovlm) with fp32 weights under bf16 autocast and the logits held.
+    N/n layers, H/D hidden, I/M MLP width, h/hv heads of the LM/ViT, V vocab, T patches, S image side."""
+    text, vision = model["text"], model["vision"]
+    N, H, I, h, V = (text[k] for k in ("num_hidden_layers", "hidden_size", "intermediate_size",
+                                       "num_attention_heads", "vocab_size"))
+    n, D, M, hv = (vision[k] for k in ("num_hidden_layers", "hidden_size", "intermediate_size", "num_attention_heads"))
+    S = model["image_size"]
+    T = (S // vision["patch_size"]) ** 2
+    head_dim = H // h
+    L = length
+    return [
+        # the LM, per layer: linear() saves its bf16 input; autocast makes a fresh cast per call for
+        # non-leaf inputs (only parameters are cached), so q, k, v and gate, up each keep their own
+        ("LM: linear inputs cast to bf16 (q, k, v, gate, up)", "N*L*5H*2", N * L * 5 * H * BF16),
+        # RoPE multiplies bf16 q, k by fp32 cos/sin: fp32 results, cast again by SDPA's autocast (k after
+        # repeat_interleave to all h heads), saved by the attention kernel
+        ("LM: SDPA q and expanded k, cast to bf16", "N*L*2H*2", N * L * 2 * H * BF16),
+        ("LM: v expanded to all heads (repeat_interleave copy, bf16)", "N*L*H*2", N * L * H * BF16),
+        # memory-efficient (CUDA) / flash (CPU) keep output + logsumexp (h x L fp32; CUDA pads L to 32)
+        ("LM: attention output (bf16) + logsumexp (fp32)", "N*L*(2H + 4h)", N * L * (H * BF16 + h * FP32)),
+        ("LM: attention mask cast to bf16 (saved by SDPA)", "N*L*2", N * L * BF16),
+        ("LM: gate and up outputs (bf16; silu and the product save them)", "N*L*2I*2", N * L * 2 * I * BF16),
+        ("LM: silu(gate) and silu(gate)*up (bf16)", "N*L*2I*2", N * L * 2 * I * BF16),
+        # RMSNorm without casts: x * rsqrt(mean(x^2) + eps) * w saves x * rsqrt (fp32) and rsqrt (L x 1)
+        ("LM: RMSNorm x*rsqrt (fp32) and rsqrt, 2 per layer + final", "(2N+1)*L*(4H + 4)",
+         (2 * N + 1) * L * (H + 1) * FP32),
+        # block inputs and mid-block sums: the norms' inputs (the embeddings, 2N residual sums)
+        ("LM: residual stream (fp32): embeddings + 2 sums per layer", "(2N+1)*L*H*4", (2 * N + 1) * L * H * FP32),
+        ("LM: RoPE cos and sin (fp32)", "L*head_dim*4*2", L * head_dim * FP32 * 2),
+        ("LM head: input cast to bf16", "L*H*2", L * H * BF16),
+        ("logits (bf16), held by the loop's `_`", "L*V*2", L * V * BF16),
+        # cross_entropy passes the logits' dtype to log_softmax (LossNLL.cpp), so autocast's fp32 does not apply
+        ("log_softmax output (bf16), saved", "L*V*2", L * V * BF16),
+        ("nll_loss input cast to fp32 (autocast fp32 list), saved", "L*V*4", L * V * FP32),
+        ("nll_loss_backward's gradient (fp32): the op at the peak", "L*V*4", L * V * FP32),
+        ("batch: input_ids, labels, attention_mask (int64)", "3*L*8", 3 * L * INT64),
+        # the ViT, per layer (T patches, no mask: flash on CUDA and on CPU)
+        ("ViT: linear inputs cast to bf16 (qkv, fc1)", "n*T*2D*2", n * T * 2 * D * BF16),
+        ("ViT: qkv output (bf16; q, k, v views saved by SDPA)", "n*T*3D*2", n * T * 3 * D * BF16),
+        ("ViT: attention output (bf16) + logsumexp (fp32)", "n*T*(2D + 4hv)", n * T * (D * BF16 + hv * FP32)),
+        ("ViT: fc1 output and gelu output (bf16)", "n*T*2M*2", n * T * 2 * M * BF16),
+        ("ViT: residual stream (fp32): patches + position, 2 sums per layer", "(2n+1)*T*D*4",
+         (2 * n + 1) * T * D * FP32),
+        ("ViT: LayerNorm mean and rstd (fp32), 2 per layer + final", "(2n+1)*T*8", (2 * n + 1) * T * 2 * FP32),
+        ("ViT: pixels (fp32) and their bf16 cast for the patch conv", "3*S^2*(4+2)", 3 * S * S * (FP32 + BF16)),
+        ("projector: input cast to bf16 (pixel-shuffled patches)", "T*D*2", T * D * BF16),
+    ]
+
+
+@contextlib.contextmanager
+def requested_peak_of_last_point(backend):
+    """While active, `found["requested"]` is the allocator model's peak of requested bytes over the whole
+    point measure() ran last (the step resets the model's peaks at each phase; the peak is kept across them)."""
+    found = {}
+    session = backend.session
+
+    @contextlib.contextmanager
+    def recording(*args, **kwargs):
+        with session(*args, **kwargs) as meter:
+            allocator = meter.tracker.allocator
+            reset = allocator.reset_peak
+            found["requested"] = 0
+
+            def reset_peak():
+                found["requested"] = max(found["requested"], allocator.peak_requested)
+                reset()
+
+            allocator.reset_peak = reset_peak
+            yield meter
+            found["requested"] = max(found["requested"], allocator.peak_requested)
+
+    backend.session = recording
+    try:
+        yield found
+    finally:
+        del backend.session  # the class's method again
+
+
+def estimate_peaks(lengths: list[int], overrides: tuple[str, ...] = ()) -> dict[tuple[int, int], dict]:
+    """(batch, length) -> the estimate's peak allocated and peak requested bytes and the model config, for the
+    points of `+sweep=seq_len` (with `overrides`, e.g. a smaller model) at BATCHES and `lengths`."""
+    backend = backends.get("estimate")
+    peaks = {}
+    with requested_peak_of_last_point(backend) as found:
+        axes = [f"sweep.axes.data.batch_size=[{','.join(map(str, BATCHES))}]",
+                f"sweep.axes.data.lm_max_length=[{','.join(map(str, lengths))}]"]
+        for planned in plan_overrides(["+sweep=seq_len", "measure.backend=estimate", *axes, *overrides]):
+            data = planned.config["data"]
+            key = (data["batch_size"], data["lm_max_length"])
+            row = measure(planned.config)
+            peaks[key] = {"allocated": row["peak_allocated_bytes"], "requested": found["requested"],
+                          "model": planned.config["model"]}
+    return peaks
+
+
+def per_sample(peaks: dict, length: int, figure: str) -> float:
+    low, high = BATCHES
+    return (peaks[(high, length)][figure] - peaks[(low, length)][figure]) / (high - low)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--lengths", default="128,512", help="lm_max_length values (comma-separated)")
+    args = parser.parse_args()
+    lengths = [int(x) for x in args.lengths.split(",")]
+    peaks = estimate_peaks(lengths)
+    for r in reference.load().itertuples():
+        if (r.batch_size, r.lm_max_length) in peaks and r.status == "ok":
+            peaks[(r.batch_size, r.lm_max_length)]["published"] = int(r.peak_bytes)
+    model = next(iter(peaks.values()))["model"]
+    counts = {n: hand_count(model, n) for n in lengths}
+    families = pd.DataFrame({"family": [name for name, _, _ in counts[lengths[0]]],
+                             "formula (bytes per sample)": [formula for _, formula, _ in counts[lengths[0]]],
+                             **{f"L={n} MiB": [size / MiB for _, _, size in counts[n]] for n in lengths}})
+    print("## What one sample keeps at the backward peak, by hand (MiB = 1024^2 bytes)\n")
+    print(families.round(3).to_markdown(index=False), "\n")
+    rows = []
+    for n in lengths:
+        hand = sum(size for _, _, size in counts[n])
+        requested = per_sample(peaks, n, "requested")
+        published = per_sample(peaks, n, "published") if all("published" in peaks[(b, n)] for b in BATCHES) else None
+        rows.append({"lm_max_length": n, "hand MiB": hand / MiB, "estimate requested MiB": requested / MiB,
+                     "requested - hand B": requested - hand,
+                     "estimate allocated MiB": per_sample(peaks, n, "allocated") / MiB,
+                     "published MiB (RTX 3090)": None if published is None else published / MiB,
+                     "published - requested MiB": None if published is None else (published - requested) / MiB})
+    low, high = BATCHES
+    print(f"## Per sample, batch {low} -> {high} (estimate: backend estimate, no GPU; published: CUDA)\n")
+    print(pd.DataFrame(rows).round(2).to_markdown(index=False), "\n")
+    print("## Block rounding in the estimate at each peak (allocated - requested)\n")
+    print(pd.DataFrame([{"batch_size": b, "lm_max_length": n, "allocated MiB": p["allocated"] / MiB,
+                         "requested MiB": p["requested"] / MiB,
+                         "allocated - requested MiB": (p["allocated"] - p["requested"]) / MiB}
+                        for (b, n), p in sorted(peaks.items())]).round(2).to_markdown(index=False))
+
+
+if __name__ == "__main__":
+    main()
