@@ -15,6 +15,36 @@ families and nothing else; published - requested is what CUDA allocated per samp
 rounding, which the allocator model makes for its own allocation sequence only).
 
     python scripts/check_per_sample.py [--lengths 128,512]
+
+What was found (2026-11-23, backend estimate, no GPU). The estimate charges exactly the families of the hand
+count and nothing else (`tests/test_per_sample.py` checks it to the byte on nanovlm_tiny); its allocated slope
+is lower than its requested one because its allocator model's block rounding (allocated − requested at the peak)
+falls from 135/155 MiB at batch 8 to 100/92 MiB at batch 16. What CUDA adds beyond them, ~10 MiB a sample at 128
+and ~37 at 512 (about 0.071 MiB a token plus ~1 MiB), is no saved tensor we could find in PyTorch's sources.
+Ruled out, bytes per sample at 128 / 512: flash (ViT) and memory-efficient (LM) attention keep output +
+logsumexp as the CPU kernel does (logsumexp padded to 32 rows: none at these lengths; the (B,1,1,L) mask is
+8-aligned, so expanded without a copy; the philox seed/offset are CPU scalars without dropout): 0 / 0; the math
+kernel's attention weights (30 × 9 × L² × 2 B): 8.4 / 135, far too many; cross-entropy: `cross_entropy` hands
+the logits' dtype to `log_softmax`, so it stays bf16 and nll_loss saves an fp32 cast, as the estimate has it (an
+fp32 log_softmax instead would change −2 B per logit, not add); autocast's weight casts are per step, not per
+sample; LayerNorm mean/rstd and GELU's input are the same on both; dropout has p = 0 (a no-op, no mask);
+nanoVLM's KV-cache list (30 × L × 1152 B: 4.2 / 16.9) dies when the forward returns, before the peak; the
+embedding backward's sort buffers come at the end of backward; a ViT with unfused softmax attention (the issue's
+config names a `vit_attn_type='softmax'` no public nanoVLM commit has) would keep per layer the fp32 softmax and
+its bf16 cast, 12 × 12 × 196² × 6 B less the logsumexp: 31.5 MiB at both lengths, three times the gap at 128.
+The gap's shape fits one more fp32 (L, 576) tensor per LM layer (8.4 / 33.8 MiB) plus 1.6–3.4 MiB, but no kernel
+we read keeps one. What the published table can and cannot say: it carries the CUDA allocator's block rounding
+on CUDA's own allocation sequence (with allocations the estimate does not make: cuBLAS workspaces, attention-
+backward workspaces), which the allocator model reproduces only for its own sequence. That rounding moves by ~30
+MiB between runs: the published batch-1 peaks differ by 3.5 MiB between the lengths while the only length-
+dependent tensor alive there, the held logits, differs by 36.0 MiB. Over 8 samples that is ±4 MiB a sample,
+which covers part of the 10 MiB at 128 and little of the 37 at 512. At the peak, published − requested less the
+two cuBLAS workspaces (2 × 8,519,680 B, which CUDA counts as allocated and the estimate does not yet charge) is
+192/165 MiB at batch 8 (512/128), near the model's own rounding there (155/135), but 490/246 MiB at batch 16
+(model: 92/100): either CUDA's rounding grows with the batch on its sequence, or a tensor family not found
+above. A CUDA memory snapshot of these points replayed through the allocator model
+(`scripts/check_allocator.py`, issue 12 section 2) would tell the two apart. Until then the points stay 0.4–2.5
+% low, not within the 1 % the issue asks.
 """
 
 from __future__ import annotations
