@@ -250,3 +250,14 @@ def test_every_cuda_key_of_the_installed_headers_is_known_and_others_are_refused
     assert parse("backend:cudaMallocAsync").backend == "cudaMallocAsync"
     with pytest.raises(ConfigError, match="backend takes native or cudaMallocAsync"):
         parse("backend:async")
+
+
+def test_cuda_malloc_async_is_skipped_off_cuda_and_settings_reach_the_point(plan_points):
+    (planned,) = plan_points(["model=nanovlm_tiny", "measure.backend=estimate", "measure.alloc_conf=backend:cudaMallocAsync"])
+    assert planned.skip == ("backend:cudaMallocAsync is not modelled (the estimate backend models the native caching "
+                            "allocator)")
+    (planned,) = plan_points(["model=nanovlm_tiny", "measure.backend=estimate",
+                              'measure.alloc_conf="max_split_size_mb:128,expandable_segments:True"'])
+    assert planned.skip is None and planned.inputs["alloc_conf"] == "max_split_size_mb:128,expandable_segments:True"
+    settings = parse(planned.config["measure"]["alloc_conf"])
+    assert (settings.max_split_size, settings.expandable_segments) == (128 * MiB, True)
