@@ -9,7 +9,10 @@
 #   4. finding          python -m vlmprobe.check on the measured seq_len sweep (also in 2; here with its table)
 #   5. recording_cost   one seq_len point with measure.record_history=off|alloc|all: what history costs in
 #                       step_time_s (device figures must not change)
-#   6. baseline         the first baseline of this device (results/baseline/<device>/<sweep>/) when none exists
+#   6. allocator        the seq_len sweep at length 512 under three allocator settings (default,
+#                       expandable_segments:True, max_split_size_mb:128) with snapshots, and
+#                       scripts/check_allocator.py replaying each through the allocator model (check_allocator.log)
+#   7. baseline         the first baseline of this device (results/baseline/<device>/<sweep>/) when none exists
 # Needs nothing but the installed project (pip install -e ".[test]") and a CUDA GPU; about 10 minutes on an H100.
 # On a machine reached through a tool that returns few files, pack the directory: tar czf out.tgz -C DIR .
 set -uo pipefail
@@ -49,6 +52,11 @@ step estimate_vs_cuda python scripts/check_estimate.py --parts cuda "${CUDA_DIRS
 step recording_cost python -m vlmprobe +sweep=seq_len measure.backend=cuda "results_dir=$OUT/recording_cost" \
   "sweep.axes.data.batch_size=[8]" "sweep.axes.data.lm_max_length=[512]" \
   "+sweep.axes.measure.record_history=[off,alloc,all]"
+step allocator python -m vlmprobe +sweep=seq_len measure.backend=cuda measure.snapshot=true \
+  "results_dir=$OUT/allocator" "sweep.axes.data.lm_max_length=[512]" \
+  '+sweep.axes.measure.alloc_conf=[null,"expandable_segments:True","max_split_size_mb:128"]'
+ALLOCATOR=$(newest "$OUT/allocator/seq_len")
+[ -n "$ALLOCATOR" ] && step check_allocator python scripts/check_allocator.py "$ALLOCATOR"
 
 baseline() {
   local dir target

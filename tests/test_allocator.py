@@ -9,6 +9,7 @@ import random
 import pytest
 import torch
 
+from vlmprobe.estimate.alloc_conf import parse
 from vlmprobe.estimate.allocator import CachingAllocatorModel, get_allocation_size, round_size
 
 KiB = 1024
@@ -169,7 +170,7 @@ def test_capacity_miss_releases_cached_segments_and_retries():
     assert a.peak_reserved == 32 * MiB  # 30 MiB was released before the 32 MiB cudaMalloc
     a._check_invariants()
     # 10 MiB more cannot fit even after releasing (nothing cached): OOM reporting the segment size.
-    with pytest.raises(torch.OutOfMemoryError, match="Tried to allocate 10485760 bytes"):
+    with pytest.raises(torch.OutOfMemoryError, match=r"Tried to allocate 10\.00 MiB\. GPU 0"):
         a.malloc(10 * MiB)
     assert (a.num_alloc_retries, a.num_ooms, a.allocated) == (2, 1, 32 * MiB)
     a.free(h)
@@ -178,7 +179,7 @@ def test_capacity_miss_releases_cached_segments_and_retries():
 def test_oom_message_reports_the_segment_size_not_the_request():
     # CUDA's message says format_size(alloc_size): a 1 KiB request needs a 2 MiB segment.
     a = CachingAllocatorModel(capacity=MiB)
-    with pytest.raises(torch.OutOfMemoryError, match="Tried to allocate 2097152 bytes"):
+    with pytest.raises(torch.OutOfMemoryError, match=r"Tried to allocate 2\.00 MiB\."):
         a.malloc(KiB)
 
 
@@ -194,7 +195,7 @@ def test_split_blocks_are_not_released_on_retry():
 def test_max_split_size_keeps_oversize_blocks_whole():
     # max_split_size_mb:32 -> a 40 MiB cached block is not given to a 12 MiB request (new segment),
     # and a 36 MiB request may take it whole (40 < 36 + 20 MiB) without splitting.
-    a = CachingAllocatorModel(max_split_size=32 * MiB)
+    a = CachingAllocatorModel(settings=parse("max_split_size_mb:32"))
     a.free(a.malloc(40 * MiB))
     h = a.malloc(12 * MiB)
     assert a.reserved == 52 * MiB and a.block_size(h) == 12 * MiB
@@ -202,11 +203,13 @@ def test_max_split_size_keeps_oversize_blocks_whole():
     assert a.block_size(h2) == 40 * MiB and a.reserved == 52 * MiB
 
 
-def test_random_sequence_keeps_invariants():
+@pytest.mark.parametrize("conf", [None, "expandable_segments:True", "max_split_size_mb:20",
+                                  "roundup_power2_divisions:4", "garbage_collection_threshold:0.5"])
+def test_random_sequence_keeps_invariants(conf):
     rng = random.Random(0)
     sizes = [1, 200, 4096, 70_000, 600 * KiB, MiB, MiB + 1, 3 * MiB, 9 * MiB, 11 * MiB, 25 * MiB]
     for capacity in (None, 160 * MiB):
-        a = CachingAllocatorModel(capacity=capacity)
+        a = CachingAllocatorModel(capacity=capacity, settings=parse(conf), allowed_maximum=capacity)
         live = {}
         for step in range(3000):
             if live and rng.random() < 0.45:

@@ -57,6 +57,18 @@ BAD_INPUT = {
     "dry_run not a bool": (["dry_run=maybe"], "dry_run='maybe' is not allowed: use true or false"),
     "max_points not positive": (["sweep.max_points=0"], "sweep.max_points=0 is not allowed: it must be a positive integer"),
     "alloc_conf not text": (["measure.alloc_conf=[1]"], "measure.alloc_conf=[1] is not allowed"),
+    # allocator settings, by torch's own parser rules (issue 12)
+    "alloc_conf key torch does not know": (["measure.alloc_conf=max_split_mb:128"],
+                                           "measure.alloc_conf='max_split_mb:128' is not allowed: unrecognized key "
+                                           "'max_split_mb' (torch's CUDA allocator knows backend, "),
+    "alloc_conf bool not capitalised": (["measure.alloc_conf=expandable_segments:true"],
+                                        "measure.alloc_conf='expandable_segments:true' is not allowed: "
+                                        "expandable_segments takes True or False (capitalised), got 'true'"),
+    "alloc_conf split size below 20 MB": (["measure.alloc_conf=max_split_size_mb:10"],
+                                          "measure.alloc_conf='max_split_size_mb:10' is not allowed: max_split_size_mb "
+                                          "must be >= 20, got 10"),
+    "alloc_conf threshold outside (0, 1)": (["measure.alloc_conf=garbage_collection_threshold:1.5"],
+                                            "garbage_collection_threshold must be in (0.0, 1.0), got 1.5"),
     "resume of no dir": (["resume=/nonexistent/dir"], "resume=/nonexistent/dir is not allowed: it is not a directory"),
     # the first bad inputs the command refused (before issue 9)
     "unknown sweep": (["+sweep=nope"], "sweep='nope' is not allowed: use one of"),

@@ -1,8 +1,8 @@
 """Largest batch that fits a memory budget: bisect data.batch_size for each configuration of the grid.
 
 A probe fits when its point finishes (`ok`) within the budget (memory_budget, or the total memory of the
-`device=` card when memory_budget is null): its peak reserved bytes where the backend measures them (cuda),
-else its peak allocated bytes. Every backend gets the budget as its device capacity
+`device=` card when memory_budget is null): its peak reserved bytes (measured on cuda, the allocator model's on
+estimate and cpu), else its peak allocated bytes. Every backend gets the budget as its device capacity
 (unless measure.device_memory is set): the allocator model of the estimate and cpu backends, and the caching
 allocator of a larger CUDA card (set_per_process_memory_fraction), run out of memory where a card of that
 size would, retries and cache flushes included; the row's imposed_capacity_bytes says so. Bisection over [low, high] assumes a batch that does not fit means no larger one
@@ -104,7 +104,7 @@ class MaxBatchSearch:
         budget = f"{self.budget / GiB:.2f} GiB" if self.budget >= GiB else f"{self.budget / MiB:.1f} MiB"
         section = (f"\n## Largest batch size that fits {budget} (1 GiB = 1024^3 bytes, 1 MiB = 1024^2 bytes)\n\n"
                    f"Bisected over [{self.low}, {self.high}]; every probe is a row above. A probe fits when it ends `ok`\n"
-                   f"with its peak (reserved where measured, else allocated) within the budget.\n\n"
+                   f"with its peak (reserved where known, else allocated) within the budget.\n\n"
                    f"{shown.to_markdown(index=False)}\n")
         with (out_dir / "summary.md").open("a") as f:
             f.write(section)

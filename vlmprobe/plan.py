@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from omegaconf import OmegaConf
 
-from vlmprobe.estimate import device_profile
+from vlmprobe.estimate import alloc_conf, device_profile
 from vlmprobe.distributed import options as dist_options
 from vlmprobe.errors import ConfigError, first_line, refused
 from vlmprobe.grid import Point, expand, flatten_axes, flatten_cases
@@ -175,6 +175,7 @@ def validate_point(cfg: dict, point: Point) -> tuple[dict, str | None]:
     if measure["alloc_conf"] is not None and not isinstance(measure["alloc_conf"], str):
         raise ConfigError(f"measure.alloc_conf={measure['alloc_conf']!r} is not allowed: give allocator settings "
                           f"text such as \"expandable_segments:True\", or null")
+    allocator = alloc_conf.parse(measure["alloc_conf"])  # torch's parser rules: a key or value it refuses, one line
     for key in ("snapshot", "hold_outputs"):
         if not isinstance(measure[key], bool):
             raise ConfigError(f"measure.{key}={measure[key]!r} is not allowed: use true or false")
@@ -222,7 +223,8 @@ def validate_point(cfg: dict, point: Point) -> tuple[dict, str | None]:
     for key, value in point.values.items():  # every swept key has a column (case keys too)
         if axis_column(key) not in inputs:
             inputs[axis_column(key)] = value if not isinstance(value, (dict, list)) else json.dumps(value)
-    return inputs, skip or kernel_skip(cfg) or dist_options.skip_reason(cfg["dist"], measure["backend"])
+    return inputs, (skip or kernel_skip(cfg) or allocator_skip(allocator, measure["backend"])
+                    or dist_options.skip_reason(cfg["dist"], measure["backend"]))
 
 
 def _visible_gpus() -> int:
@@ -241,6 +243,14 @@ def kernel_skip(cfg: dict) -> str | None:
     if importlib.util.find_spec("flash_attn") is None:
         return "flash_attention_2 needs the flash-attn package (pip install flash-attn), not installed here"
     return None
+
+
+def allocator_skip(allocator: alloc_conf.AllocatorSettings, backend: str) -> str | None:
+    """Why a point's allocator cannot be modelled: the estimate and cpu backends model the native caching
+    allocator; cudaMallocAsync reserves through the driver's pool, by rules of its own."""
+    if allocator.backend == "native" or backend == "cuda":
+        return None
+    return f"backend:cudaMallocAsync is not modelled (the {backend} backend models the native caching allocator)"
 
 
 def plan_point(compose, overrides: list[str], point: Point) -> PlannedPoint:

@@ -14,7 +14,7 @@ import traceback
 import torch
 
 from vlmprobe import backends
-from vlmprobe.estimate import device_profile
+from vlmprobe.estimate import alloc_conf, device_profile
 from vlmprobe.knobs import apply_knobs
 from vlmprobe.models.base import DataShape
 from vlmprobe.distributed import engines
@@ -64,7 +64,9 @@ def measure(point: dict) -> dict:
     out: dict = {"backend": backend.name, "status": "ok"}
     device = device_profile.from_config(point.get("device"))  # the target card, or None
     capacity = device_profile.capacity(point["measure"].get("device_memory"), device)
-    with backend.session(capacity, point["measure"]["record_history"], device) as meter:
+    settings = alloc_conf.parse(point["measure"].get("alloc_conf"))
+    allowed = alloc_conf.allowed_maximum(settings, capacity, imposed=point["measure"].get("device_memory") is not None)
+    with backend.session(capacity, point["measure"]["record_history"], device, settings, allowed) as meter:
         try:
             engine = engines.make(point, backend.device())  # single GPU, DDP or sharded
             model = spec.build(engine.build_device, DTYPES[train["param_dtype"]], init=not engine.build_device_is_meta)

@@ -7,6 +7,7 @@ import contextlib
 
 import torch
 
+from vlmprobe.estimate.alloc_conf import AllocatorSettings
 from vlmprobe.estimate.device_profile import DeviceProfile
 from vlmprobe.estimate.tracker import segment_bytes_in_message
 
@@ -17,13 +18,17 @@ class Backend(abc.ABC):
     isolate: bool  # whether each point must run in a fresh process (device allocator state leaks otherwise)
 
     @abc.abstractmethod
-    def session(self, capacity: int | None, record_history: str = "alloc",
-                device: DeviceProfile | None = None) -> contextlib.AbstractContextManager:
+    def session(self, capacity: int | None, record_history: str = "alloc", device: DeviceProfile | None = None,
+                settings: AllocatorSettings | None = None,
+                allowed_maximum: int | None = None) -> contextlib.AbstractContextManager:
         """Context for one point (build, batch, steps); yields the Meter, whose `capacity` says what was
         imposed. `capacity`: device bytes the point may use (an allocation past it raises OutOfMemoryError):
         the allocator model's capacity without a device, the caching allocator's limit on cuda.
         `record_history`: measure.record_history (off | alloc | all), for backends with allocation history.
-        `device`: the point's target card (vlmprobe.estimate.device_profile), or None."""
+        `device`: the point's target card (vlmprobe.estimate.device_profile), or None.
+        `settings`, `allowed_maximum`: measure.alloc_conf parsed, and the memory fraction's allowed maximum
+        (vlmprobe.estimate.alloc_conf), for backends that model the allocator; cuda's allocator reads the
+        environment the sweep gave its worker."""
 
     def device(self) -> torch.device:
         return torch.device(self.device_type)

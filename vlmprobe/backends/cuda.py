@@ -136,7 +136,7 @@ class CudaBackend(Backend):
     isolate = True
 
     @contextlib.contextmanager
-    def session(self, capacity, record_history: str = "alloc", device=None):
+    def session(self, capacity, record_history: str = "alloc", device=None, settings=None, allowed_maximum=None):
         torch.cuda.init()
         notes = []
         props = torch.cuda.get_device_properties(torch.cuda.current_device())

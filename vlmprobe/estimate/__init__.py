@@ -4,7 +4,9 @@ on fake tensors.
 Modules:
 - tracked.py: the cpu and estimate backends (session: autocast policy, SDPA choice, fake mode, tracker)
 - tracker.py: live tensor storages charged through the allocator model
-- allocator.py: the CUDA caching allocator model (blocks, segments, reserved, OOM)
+- allocator.py: the CUDA caching allocator model (blocks, segments, reserved, allocator settings, OOM)
+- alloc_conf.py: measure.alloc_conf (PYTORCH_ALLOC_CONF syntax) read by torch's parser rules
+- snapshot_replay.py: a recorded CUDA snapshot replayed through the allocator model (scripts/check_allocator.py)
 - autocast_policy.py: CUDA's autocast op lists applied on CPU
 - sdpa_choice.py: the SDPA kernel CUDA would pick, and what it keeps for backward
 - device_profile.py: the target GPU (conf/device/): capacity, dtypes, kernels, workspaces, context
@@ -13,9 +15,11 @@ Modules:
 Modelling decisions (each one is what CUDA would do, applied on fake CPU tensors):
 - Fake CPU tensors under FakeTensorMode: fake CUDA tensors abort a CPU-only build, so shapes, dtypes and
   aliasing come from torch's own meta kernels on 'cpu'; the result is reported as the estimate for CUDA.
-- Allocation accounting: every new storage an op returns is charged its size rounded up to 512 bytes (the
-  CUDA caching allocator's block size) until it dies (vlmprobe.estimate.tracker); the model, batch, saved
-  activations, gradients, optimizer state and every transient are counted alike.
+- Allocation accounting: every new storage an op returns is allocated from a model of the CUDA caching
+  allocator until it dies (vlmprobe.estimate.tracker, vlmprobe.estimate.allocator: 512-byte blocks,
+  segments, best fit, splitting, the measure.alloc_conf settings, release and retry before an OOM); the
+  model, batch, saved activations, gradients, optimizer state and every transient are counted alike, and
+  the rows' allocated, reserved and active figures are that model's.
 - Optimizer: the implementation CUDA picks by default (foreach for AdamW), see step.make_optimizer.
 - Autocast: CUDA's op lists (vlmprobe.estimate.autocast_policy) instead of the CPU's, so each activation has the
   dtype it has on CUDA.
@@ -27,13 +31,13 @@ Modelling decisions (each one is what CUDA would do, applied on fake CPU tensors
 
 Not modelled (the error budget against a CUDA measurement): the CUDA context and NVML-only memory, cuBLAS /
 cuBLASLt workspaces (CUDA counts them in memory_allocated: 2 x 8,519,680 B on sm86; the estimate adds them to
-predicted_device_bytes only), the caching allocator's block splitting and fragmentation (reserved - allocated;
-an allocated block can exceed the request when a cached block is reused unsplit) for CUDA's own allocation
-sequence, and kernel-internal workspaces that differ between CUDA and CPU kernels (attention backward,
-reductions, embedding backward). Per sample, the estimate charges exactly the saved-tensor families that
-scripts/check_per_sample.py counts by hand (tests/test_per_sample.py, to the byte); on nanoVLM issue #103
-CUDA held ~10 MiB (length 128) and ~37 MiB (512) a sample beyond them, which no saved tensor in PyTorch's
-CUDA kernels we read accounts for (README, "The missing bytes per sample"). With a target card (device=),
-its profile adds the cuBLAS workspaces and the CUDA context to the allocator model's peak reserved as
+predicted_device_bytes only), what the allocator model leaves out (several streams, private pools,
+cudaMallocAsync: see vlmprobe.estimate.allocator; its block rounding is exact for the estimate's own allocation
+sequence, not for CUDA's), and kernel-internal workspaces that differ between CUDA and CPU kernels (attention
+backward, reductions, embedding backward). Per sample, the estimate charges exactly the saved-tensor families
+that scripts/check_per_sample.py counts by hand (tests/test_per_sample.py, to the byte); on nanoVLM issue #103
+CUDA held ~10 MiB (length 128) and ~37 MiB (512) a sample beyond them, which no saved tensor in PyTorch's CUDA
+kernels we read accounts for (README, "The missing bytes per sample"). With a target card (device=), its
+profile adds the cuBLAS workspaces and the CUDA context to the allocator model's peak reserved as
 predicted_device_bytes (vlmprobe.estimate.device_profile), and its capacity, dtypes and SDPA kernels apply.
 """

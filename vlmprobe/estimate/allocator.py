@@ -1,60 +1,82 @@
 """A deterministic model of PyTorch's CUDA caching allocator, for one device and one stream.
 
 `torch.cuda.memory_allocated()` / `max_memory_allocated()` count the sizes of the allocator's
-*blocks*, not the bytes tensors asked for, and blocks are often larger than the request. This
-module replays the sequence of (allocate n bytes / free that allocation) events the tracker sees
-through a pure-Python copy of the rules of `DeviceCachingAllocator` in
-`c10/cuda/CUDACachingAllocator.cpp` (constants in `c10/core/AllocatorConfig.h`), in its default
-configuration, as in torch 2.11-2.13, and reports the `allocated_bytes`, `reserved_bytes`,
-`active_bytes` and `requested_bytes` figures ("all"/aggregate stat type) with their peaks.
+*blocks*, not the bytes tensors asked for, and blocks are often larger than the request; the card
+itself sees the *segments* the allocator reserved (`memory_reserved()`), and the difference is
+fragmentation. This module replays the sequence of (allocate n bytes / free that allocation) events
+the tracker sees through a pure-Python copy of the rules of `DeviceCachingAllocator` in
+`c10/cuda/CUDACachingAllocator.cpp` (constants in `c10/core/AllocatorConfig.h`) as in torch
+2.11-2.13, with the settings of PYTORCH_ALLOC_CONF that change device memory
+(vlmprobe.estimate.alloc_conf), and reports the `allocated_bytes`, `reserved_bytes`, `active_bytes`
+and `requested_bytes` figures ("all"/aggregate stat type) with their peaks, `num_alloc_retries` and
+`num_ooms`.
 
 Modelled (each rule names the source function it mirrors):
-- `round_size`: requests round up to a multiple of kMinBlockSize (512 B); roundup_power2_divisions
-  is off by default and not modelled.
+- `round_size`: requests round up to a multiple of kMinBlockSize (512 B); with
+  `roundup_power2_divisions`, a request above 512 B x divisions rounds up to the next of `divisions`
+  equal steps between two powers of two (`roundup_power2_next_division`), the divisions looked up
+  per power of two from 1 MiB (`AcceleratorAllocatorConfig::roundup_power2_divisions(size)`).
 - `get_pool`: rounded sizes <= kSmallSize (1 MiB) use the small pool, larger ones the large pool.
 - `get_allocation_size`: a new segment (cudaMalloc) is kSmallBuffer (2 MiB) for small requests,
-  the large segment size (20 MiB) for requests < kMinLargeAlloc (10 MiB), else the request
-  rounded up to kRoundLarge (2 MiB).
+  `large_segment_size` (20 MiB unless `large_segment_size_mb`) for requests < kMinLargeAlloc
+  (10 MiB), else the request rounded up to kRoundLarge (2 MiB).
 - `get_free_block`: best fit, the smallest cached free block >= the request in the request's pool;
-  ties go to the older segment, then the lower address; with a finite max_split_size, a request
-  < max_split_size never takes a block >= max_split_size and a request >= max_split_size only
-  takes a block < request + max_non_split_rounding_size (20 MiB).
+  ties go to the older segment, then the lower address; with a finite `max_split_size_mb`, a
+  request < max_split_size never takes a block >= max_split_size and a request >= max_split_size
+  only takes a block < request + max_non_split_rounding_size (20 MiB unless
+  `max_non_split_rounding_mb`); with expandable segments a block at the growing end of a segment
+  counts as large as it could grow (`expandable_size`), so best fit prefers other blocks.
 - `should_split` / `alloc_found_block`: the block is split, the front part handed out and the
-  rest cached, when the remainder is >= kMinBlockSize (small pool) or > kSmallSize and the
-  request < max_split_size (large pool); otherwise the whole block is charged.
+  rest cached, when the remainder is >= kMinBlockSize (small pool, or expandable segments) or
+  > kSmallSize and the request < max_split_size (large pool); otherwise the whole block is charged.
 - `free_block` / `try_merge_blocks`: a freed block merges with free neighbours of its segment.
-- `alloc_block` / `release_available_cached_blocks` / `release_cached_blocks` and the OOM error
-  of `malloc`, only when a `capacity` is given: a new segment must fit in capacity - reserved;
-  if not, whole cached free segments are released (cudaFree), the allocation retried once
-  (`num_alloc_retries`), then `torch.OutOfMemoryError` is raised, its message saying
-  "Tried to allocate <segment size> bytes" (CUDA reports the segment size, formatted).
+- `alloc_block`: a new segment must fit in `capacity` - reserved (the card's memory; cudaMalloc
+  fails past it) and, where a memory fraction is set (`allowed_maximum`: vlmprobe's imposed
+  capacity on CUDA, or `per_process_memory_fraction`), reserved + the segment size must not pass
+  the allowed maximum.
+- `expandable_segments:True` (Note [Expandable Segments], `find_expandable_block`, `map_block`,
+  `try_allocate_expandable_block`, `unmap_block`, `release_expandable_segment`): one segment per
+  pool (one stream here) with address space for 9/8 of the card, into which physical pages are
+  mapped as allocations need them, 2 MiB pages in the small pool and `large_segment_size` pages
+  (20 MiB) in the large pool. A request no cached block fits maps the pages it needs at the lowest
+  address with room (after the free block at the segment's end, which it absorbs); reserved grows by
+  the pages mapped. Releasing cached memory unmaps every whole free page; a segment with nothing
+  mapped is dropped.
+- `garbage_collection_threshold` (`garbage_collect_cached_blocks`, only where a memory fraction is
+  set, as in the source): before a new segment, when reserved passes threshold x allowed maximum,
+  cached whole segments of the large pool are released, oldest (counted in get_free_block calls
+  since they were cached) first, until reserved is back under it.
+- The out-of-memory path of `malloc`: garbage collection, `alloc_block`,
+  `release_available_cached_blocks` (with max_split_size: free oversize cached segments) and retry,
+  `release_cached_blocks` (free every whole cached segment, unmap free pages) and one last retry
+  (`num_alloc_retries` += 1), then `torch.OutOfMemoryError` with CUDA's message (`oom_message`).
 - Stats (`Stat::increase`/`decrease`, `resetPeakStats`): allocated/active rise by the block size
   on malloc and fall on free, requested by the unrounded size, reserved by the segment size on
-  cudaMalloc and only falls when a cached segment is released; `reset_peak()` sets every peak to
-  its current value, as `torch.cuda.reset_peak_memory_stats()` does.
+  cudaMalloc (the pages mapped, with expandable segments) and only falls when cached memory is
+  released; `reset_peak()` sets every peak to its current value, as
+  `torch.cuda.reset_peak_memory_stats()` does.
 - `NativeCachingAllocator::allocate`: a 0-byte request returns a null pointer and charges nothing
   (handle 0 here; freeing it is a no-op); a request >= 1 EiB raises OutOfMemoryError.
 
-Across 2.11-2.13 these rules are the same in the default configuration. What changed around them:
-kLargeBuffer became `AcceleratorAllocatorConfig::large_segment_size()` (configurable through
-`large_segment_size_mb`, default still 20 MiB, pytorch#172056; the 2.13 headers have it), and
-max_non_split_rounding_size defaults to it; kRoundLarge and the other constants are unchanged;
-the max_split_size rules are unchanged (recent sources also skip expandable segments in
-release_available_cached_blocks, which does not matter here). The tie-break between equal-size
-free blocks did change: by address in 2.11, then by a per-Block counter (pytorch#178362, spring
-2026), then by the segment's allocation counter and address for all pools (pytorch#183591, May
-2026, before the 2.13 branch cut; not checked against the 2.13 tag). Segments here get
-increasing synthetic addresses, so ordering by (size, address) is exactly that counter order;
-for the address-ordered versions it assumes cudaMalloc returns increasing addresses, which the
-driver does not promise. Only which of several equal-size blocks is reused depends on this.
+Across 2.11-2.13 these rules are the same. What changed around them: kLargeBuffer became
+`AcceleratorAllocatorConfig::large_segment_size()` (configurable through `large_segment_size_mb`,
+pytorch#172056; the 2.13 headers have it), and max_non_split_rounding_size defaults to it; recent
+sources skip expandable segments in release_available_cached_blocks and garbage collection. The
+tie-break between equal-size free blocks did change: by address in 2.11, then by a per-Block counter
+(pytorch#178362, spring 2026), then by the segment's allocation counter and address for all pools
+(pytorch#183591, May 2026, before the 2.13 branch cut; not checked against the 2.13 tag). Segments
+here get increasing synthetic addresses, so ordering by (size, address) is exactly that counter
+order; for the address-ordered versions it assumes cudaMalloc returns increasing addresses, which
+the driver does not promise. Only which of several equal-size blocks is reused depends on this.
 
 Not modelled: multiple streams and record_stream (cross-stream frees delayed by events, so
-active > allocated), expandable_segments, garbage_collection_threshold and
-set_per_process_memory_fraction, CUDA graphs and other private pools (MemPool, use_mem_pool),
-free-memory callbacks (CUDA IPC), roundup_power2_divisions, cudaMalloc failures other than the
-capacity model (driver fragmentation, other processes), and device memory that does not go
-through the caching allocator at all (the CUDA context, the libraries' own cudaMalloc calls such
-as NCCL's buffers or cuBLAS/cuDNN handle state), which `memory_allocated()` does not count either.
+active > allocated), CUDA graphs and other private pools (MemPool, use_mem_pool), free-memory
+callbacks (CUDA IPC), the `cudaMallocAsync` backend, cudaMalloc failures other than the capacity
+model (driver fragmentation, other processes), and device memory that does not go through the
+caching allocator at all (the CUDA context, the libraries' own cudaMalloc calls such as NCCL's
+buffers or cuBLAS/cuDNN handle state), which `memory_allocated()` does not count either. The
+capacity is the card's whole memory: the CUDA context, which takes some of it on a real card, is
+not subtracted.
 """
 
 from __future__ import annotations
@@ -63,18 +85,18 @@ from bisect import bisect_left, insort
 
 import torch
 
+from vlmprobe.estimate.alloc_conf import AllocatorSettings
+
 # c10/core/AllocatorConfig.h (torch 2.13; same values in CUDACachingAllocator.cpp before).
 kMinBlockSize = 512  # all sizes are rounded to at least 512 bytes
 kSmallSize = 1048576  # largest "small" allocation is 1 MiB
 kSmallBuffer = 2097152  # "small" allocations are packed in 2 MiB blocks
 kMinLargeAlloc = 10485760  # allocations between 1 and 10 MiB may use kLargeBuffer
 kRoundLarge = 2097152  # round up large allocations to 2 MiB
-# AcceleratorAllocatorConfig defaults: large_segment_size (the old kLargeBuffer) and
-# max_non_split_rounding_size, both 20 MiB; max_split_size unlimited (SIZE_MAX).
-kLargeBuffer = 20971520
-MAX_NON_SPLIT_ROUNDING_SIZE = kLargeBuffer
 SIZE_MAX = 2**64 - 1
 ONE_EXA_BYTES = 1152921504606846976  # NativeCachingAllocator::allocate refuses >= 1 EiB
+ROUNDUP_START_LOG2 = 20  # roundup_power2_divisions intervals start at 1 MiB (kRoundUpPowerOfTwoStart)
+UNBOUNDED_DEVICE = 1 << 40  # bytes an expandable segment's address space covers with no capacity (1 TiB: above any card)
 
 # Free blocks are kept per pool in a sorted list of int keys (size << _ADDR_BITS | address), so
 # bisect gives the std::set order (size, then segment age/address) with C-speed comparisons.
@@ -83,28 +105,88 @@ _ADDR_MASK = (1 << _ADDR_BITS) - 1
 _FIRST_ADDR = kSmallBuffer  # synthetic addresses start here; 0 stays the null pointer
 
 
-def round_size(size: int) -> int:
-    """DeviceCachingAllocator::round_size with roundup_power2_divisions off (the default)."""
+def roundup_power2_next_division(size: int, divisions: int) -> int:
+    """DeviceCachingAllocator::roundup_power2_next_division: the next of `divisions` equal steps between the
+    powers of two around `size` (1200 with 4 divisions: steps 1024, 1280, 1536, 1792 -> 1280)."""
+    if size <= 4 or divisions <= 1 or size & (size - 1) == 0:
+        return size
+    floor = 1 << (size.bit_length() - 1)
+    step = floor >> (divisions.bit_length() - 1)
+    if step == 0:
+        return floor << 1
+    low = size & ~(step - 1)
+    return size if low == size else low + step
+
+
+def round_size(size: int, divisions: tuple[int, ...] | None = None) -> int:
+    """DeviceCachingAllocator::round_size; `divisions` is roundup_power2_divisions per power of two from 1 MiB
+    (None or all 0: off, the default)."""
     if size < kMinBlockSize:
         return kMinBlockSize
+    if divisions:
+        index = min(max(size.bit_length() - 1 - ROUNDUP_START_LOG2, 0), len(divisions) - 1)
+        d = divisions[index]
+        if d > 0 and size > kMinBlockSize * d:
+            return roundup_power2_next_division(size, d)
     return -(-size // kMinBlockSize) * kMinBlockSize
 
 
-def get_allocation_size(size: int) -> int:
+def get_allocation_size(size: int, large_segment_size: int = 20 * 1048576) -> int:
     """DeviceCachingAllocator::get_allocation_size: the cudaMalloc size for a rounded request."""
     if size <= kSmallSize:
         return kSmallBuffer
     if size < kMinLargeAlloc:
-        return kLargeBuffer
+        return large_segment_size
     return -(-size // kRoundLarge) * kRoundLarge
 
 
+def format_size(size: int) -> str:
+    """c10's format_size (CUDACachingAllocator): 2 decimals, bytes / KiB / MiB / GiB, 1024-based, each unit up
+    to and including its top. printf rounds an exact tie to even, as Python's formatting does."""
+    if size <= 1024:
+        return f"{size} bytes"
+    if size <= 1048576:
+        return f"{size / 1024.0:.2f} KiB"
+    if size <= 1073741824:
+        return f"{size / 1048576.0:.2f} MiB"
+    return f"{size / 1073741824.0:.2f} GiB"
+
+
+def oom_message(alloc_size: int, device_total: int, device_free: int, allocated: int, reserved: int,
+                allowed: int | None = None) -> str:
+    """The message of DeviceCachingAllocator::malloc's OutOfMemoryError (torch 2.13), where NVML adds no
+    per-process line and no private pool holds memory (neither is modelled)."""
+    allowed_info = f"{format_size(allowed)} allowed; " if allowed is not None else ""
+    return (
+        f"CUDA out of memory. Tried to allocate {format_size(alloc_size)}. GPU 0 has a total capacity of "
+        f"{format_size(device_total)} of which {format_size(device_free)} is free. {allowed_info}"
+        f"Of the allocated memory {format_size(allocated)} is allocated by PyTorch, and "
+        f"{format_size(reserved - allocated)} is reserved by PyTorch but unallocated. If reserved but "
+        f"unallocated memory is large try setting PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True to avoid "
+        f"fragmentation.  See documentation for Memory Management  "
+        f"(https://docs.pytorch.org/docs/stable/notes/cuda.html#optimizing-memory-usage-with-pytorch-cuda-alloc-conf)"
+    )
+
+
+class _Segment:
+    """ExpandableSegment: reserved address space of `pages` pages of `page` bytes, `mapped` per page."""
+
+    __slots__ = ("base", "page", "mapped")
+
+    def __init__(self, base: int, page: int, pages: int):
+        self.base = base
+        self.page = page
+        self.mapped = bytearray(pages)
+
+
 class _Block:
-    """A Block: a range of one segment, allocated or cached; prev/next are its segment neighbours."""
+    """A Block: a range of one segment, allocated or cached (or, in an expandable segment, not backed by
+    memory: `mapped` False); prev/next are its segment neighbours; `gc_base` is its pool's get_free_block
+    count when it was cached."""
 
-    __slots__ = ("addr", "size", "prev", "next", "allocated", "requested", "small")
+    __slots__ = ("addr", "size", "prev", "next", "allocated", "requested", "small", "mapped", "segment", "gc_base")
 
-    def __init__(self, addr, size, prev, next_, small):
+    def __init__(self, addr, size, prev, next_, small, segment=None, mapped=True):
         self.addr = addr
         self.size = size
         self.prev = prev
@@ -112,6 +194,26 @@ class _Block:
         self.allocated = False
         self.requested = 0
         self.small = small
+        self.mapped = mapped
+        self.segment = segment
+        self.gc_base = 0
+
+
+class _Pool:
+    """A BlockPool: its cached blocks (`keys`, sorted), its unmapped ranges (`unmapped`, addresses, sorted) and
+    get_free_blocks_call_count."""
+
+    __slots__ = ("small", "keys", "unmapped", "calls")
+
+    def __init__(self, small: bool):
+        self.small = small
+        self.keys: list[int] = []
+        self.unmapped: list[int] = []
+        self.calls = 0
+
+
+def _key(block: _Block) -> int:
+    return (block.size << _ADDR_BITS) | block.addr
 
 
 class CachingAllocatorModel:
@@ -120,14 +222,22 @@ class CachingAllocatorModel:
     `malloc(nbytes)` returns an opaque int handle (0 for a 0-byte request), `free(handle)` returns
     the block to the cache. `allocated`, `reserved`, `active` and `requested` are the current bytes
     of the matching `torch.cuda.memory_stats()` "*.all.current" entries, `peak_*` their peaks since
-    construction or the last `reset_peak()`. `capacity` (bytes the allocator may cudaMalloc in
-    total, None for unlimited) turns on the out-of-memory path; `max_split_size` is the
-    `max_split_size_mb` setting in bytes (None: unlimited, the default).
+    construction or the last `reset_peak()`. `capacity` (bytes of the card, None for unlimited)
+    turns on the out-of-memory path; `settings` are the allocator settings
+    (vlmprobe.estimate.alloc_conf.parse); `allowed_maximum` the allowed_memory_maximum a memory
+    fraction sets (vlmprobe.estimate.alloc_conf.allowed_maximum), None where none is set.
     """
 
-    def __init__(self, capacity: int | None = None, *, max_split_size: int | None = None):
+    def __init__(self, capacity: int | None = None, settings: AllocatorSettings | None = None,
+                 allowed_maximum: int | None = None):
         self.capacity = capacity
-        self.max_split_size = SIZE_MAX if max_split_size is None else max_split_size
+        self.settings = settings or AllocatorSettings()
+        self.allowed_maximum = allowed_maximum
+        self.max_split_size = self.settings.max_split_size or SIZE_MAX
+        self._divisions = self.settings.roundup_power2_divisions if any(self.settings.roundup_power2_divisions) else None
+        self._expandable = self.settings.expandable_segments
+        # garbage collection runs only where a memory fraction sets the allowed maximum (malloc's condition)
+        self._gc = allowed_maximum is not None and self.settings.garbage_collection_threshold > 0.0
         self.allocated = 0
         self.reserved = 0
         self.active = 0
@@ -139,11 +249,11 @@ class CachingAllocatorModel:
         self.num_alloc_retries = 0
         self.num_ooms = 0
         self.last_oom: tuple[int, int] | None = None  # (block, segment) bytes of the last out-of-memory
-        self._small_keys: list[int] = []  # cached free blocks of the small pool, sorted
-        self._large_keys: list[int] = []  # ... of the large pool
-        self._free: dict[int, _Block] = {}  # key -> cached free block, both pools
+        self._pools = {True: _Pool(True), False: _Pool(False)}  # small, large
+        self._free: dict[int, _Block] = {}  # key -> cached free (mapped) block, both pools
+        self._unmapped: dict[int, _Block] = {}  # address -> unmapped range of an expandable segment
         self._live: dict[int, _Block] = {}  # handle (= block address) -> allocated block
-        self._next_addr = _FIRST_ADDR  # synthetic cudaMalloc: increasing, never reused
+        self._next_addr = _FIRST_ADDR  # synthetic cudaMalloc / address reservation: increasing, never reused
 
     # ---- public interface -------------------------------------------------------------------
 
@@ -155,42 +265,43 @@ class CachingAllocatorModel:
             raise ValueError(f"negative allocation size {nbytes}")
         if nbytes >= ONE_EXA_BYTES:
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate more than 1EB memory.")
-        size = round_size(nbytes)
+        size = round_size(nbytes, self._divisions)
         small = size <= kSmallSize  # get_pool
-        keys = self._small_keys if small else self._large_keys
+        pool = self._pools[small]
+        alloc_size = get_allocation_size(size, self.settings.large_segment_size)
 
-        block = self._get_free_block(keys, size)
+        block = self._get_free_block(pool, size)
         if block is None:
-            alloc_size = get_allocation_size(size)
-            block = self._alloc_block(alloc_size, small, False)
+            if self._gc:
+                self._garbage_collect()
+            block = self._alloc_block(pool, size, alloc_size, False)
+            if block is None and self._release_available_cached_blocks(pool, size):
+                block = self._alloc_block(pool, size, alloc_size, False)
             if block is None:
-                if self._release_available_cached_blocks(keys, size):
-                    block = self._alloc_block(alloc_size, small, False)
-                if block is None:
-                    self._release_cached_blocks()
-                    block = self._alloc_block(alloc_size, small, True)
-                if block is None:
-                    self.num_ooms += 1
-                    self.last_oom = (size, alloc_size)
-                    raise torch.OutOfMemoryError(self._oom_message(nbytes, size, alloc_size))
+                self._release_cached_blocks()
+                block = self._alloc_block(pool, size, alloc_size, True)
+            if block is None:
+                self.num_ooms += 1
+                self.last_oom = (size, alloc_size)
+                total = self.capacity if self.capacity is not None else self.allowed_maximum
+                raise torch.OutOfMemoryError(oom_message(alloc_size, total, total - self.reserved, self.allocated,
+                                                         self.reserved, self.allowed_maximum))
 
         # should_split
         remaining = block.size - size
-        if small:
+        if small or self._expandable:
             split = remaining >= kMinBlockSize
         else:
             split = size < self.max_split_size and remaining > kSmallSize
         # alloc_found_block: the front part is handed out, the remainder goes back to the pool.
         if split:
-            front = _Block(block.addr, size, block.prev, block, small)
+            front = _Block(block.addr, size, block.prev, block, small, block.segment)
             if block.prev is not None:
                 block.prev.next = front
             block.prev = front
             block.addr += size
             block.size = remaining
-            key = (remaining << _ADDR_BITS) | block.addr
-            insort(keys, key)
-            self._free[key] = block
+            self._insert(pool, block)
             block = front
         block.allocated = True
         block.requested = nbytes
@@ -216,36 +327,14 @@ class CachingAllocatorModel:
         if block is None:
             raise ValueError(f"invalid handle {handle}: not a live allocation")
         size = block.size
-        requested = block.requested
-        block.allocated = False
         self.allocated -= size
-        keys = self._small_keys if block.small else self._large_keys
-        free = self._free
-        # try_merge_blocks with prev, then next (same segment, not allocated).
-        prev = block.prev
-        if prev is not None and not prev.allocated:
-            key = (prev.size << _ADDR_BITS) | prev.addr
-            del keys[bisect_left(keys, key)]
-            del free[key]
-            block.addr = prev.addr
-            block.size += prev.size
-            block.prev = prev.prev
-            if block.prev is not None:
-                block.prev.next = block
-        nxt = block.next
-        if nxt is not None and not nxt.allocated:
-            key = (nxt.size << _ADDR_BITS) | nxt.addr
-            del keys[bisect_left(keys, key)]
-            del free[key]
-            block.size += nxt.size
-            block.next = nxt.next
-            if block.next is not None:
-                block.next.prev = block
-        key = (block.size << _ADDR_BITS) | block.addr
-        insort(keys, key)
-        free[key] = block
         self.active -= size
-        self.requested -= requested
+        self.requested -= block.requested
+        block.allocated = False
+        pool = self._pools[block.small]
+        self._try_merge(block, block.prev, pool)
+        self._try_merge(block, block.next, pool)
+        self._insert(pool, block)
 
     def block_size(self, handle: int) -> int:
         """Bytes the live allocation `handle` is charged (its block's size); 0 for handle 0."""
@@ -260,128 +349,306 @@ class CachingAllocatorModel:
         self.peak_active = self.active
         self.peak_requested = self.requested
 
+    # ---- pool bookkeeping ---------------------------------------------------------------------
+
+    def _insert(self, pool: _Pool, block: _Block) -> None:
+        """BlockPool::insert_into_blocks: cache a free block, remembering the pool's get_free_block count."""
+        key = _key(block)
+        insort(pool.keys, key)
+        self._free[key] = block
+        block.gc_base = pool.calls
+
+    def _remove(self, pool: _Pool, block: _Block) -> None:
+        key = _key(block)
+        del pool.keys[bisect_left(pool.keys, key)]
+        del self._free[key]
+
+    def _insert_unmapped(self, pool: _Pool, block: _Block) -> None:
+        insort(pool.unmapped, block.addr)
+        self._unmapped[block.addr] = block
+
+    def _remove_unmapped(self, pool: _Pool, block: _Block) -> None:
+        del pool.unmapped[bisect_left(pool.unmapped, block.addr)]
+        del self._unmapped[block.addr]
+
+    def _try_merge(self, dst: _Block, src: _Block | None, pool: _Pool) -> None:
+        """try_merge_blocks: `dst` (in no set) absorbs its neighbour `src` when that is free and mapped alike."""
+        if src is None or src.allocated or src.mapped != dst.mapped:
+            return
+        if src.mapped:
+            self._remove(pool, src)
+        else:
+            self._remove_unmapped(pool, src)
+        if dst.prev is src:
+            dst.addr = src.addr
+            dst.prev = src.prev
+            if dst.prev is not None:
+                dst.prev.next = dst
+        else:
+            dst.next = src.next
+            if dst.next is not None:
+                dst.next.prev = dst
+        dst.size += src.size
+
+    def _grow(self, nbytes: int) -> None:
+        self.reserved += nbytes
+        if self.reserved > self.peak_reserved:
+            self.peak_reserved = self.reserved
+
     # ---- DeviceCachingAllocator internals ---------------------------------------------------
 
-    def _get_free_block(self, keys: list[int], size: int) -> _Block | None:
-        """get_free_block: smallest cached block >= size (lower_bound), with the oversize rules."""
+    def _get_free_block(self, pool: _Pool, size: int) -> _Block | None:
+        """get_free_block: smallest cached block >= size (lower_bound), with the expandable and oversize rules."""
+        if self._gc:
+            pool.calls += 1  # block reuse intervals, counted only while garbage collection is on
+        keys = pool.keys
         i = bisect_left(keys, size << _ADDR_BITS)
         if i == len(keys):
             return None
-        key = keys[i]
+        block = self._free[keys[i]]
+        # A block an expandable segment could grow counts as large as it could grow to: take the next
+        # larger block while that one could grow less.
+        while block.segment is not None and i + 1 < len(keys):
+            nxt = self._free[keys[i + 1]]
+            if _expandable_size(nxt) >= _expandable_size(block):
+                break
+            i, block = i + 1, nxt
         mss = self.max_split_size
         if mss != SIZE_MAX:
-            bsize = key >> _ADDR_BITS
             # Do not return an oversized block for a large request
-            if size < mss and bsize >= mss:
+            if size < mss and block.size >= mss:
                 return None
             # Allow oversized block size to be rounded up but within a limit
-            if size >= mss and bsize >= size + MAX_NON_SPLIT_ROUNDING_SIZE:
+            if size >= mss and block.size >= size + self.settings.max_non_split_rounding_size:
                 return None
-        del keys[i]
-        return self._free.pop(key)
+        self._remove(pool, block)
+        return block
 
-    def _alloc_block(self, alloc_size: int, small: bool, is_retry: bool) -> _Block | None:
-        """alloc_block: cudaMalloc a new segment; fails when it does not fit in `capacity`."""
+    def _alloc_block(self, pool: _Pool, size: int, alloc_size: int, is_retry: bool) -> _Block | None:
+        """alloc_block: a new segment (cudaMalloc), or pages mapped into an expandable segment."""
         if is_retry:
             self.num_alloc_retries += 1
+        if self.allowed_maximum is not None and self.reserved + alloc_size > self.allowed_maximum:
+            return None  # set_fraction: past the allowed maximum, cudaErrorMemoryAllocation without a cudaMalloc
+        if self._expandable:
+            return self._allocate_expandable(pool, size)
         if self.capacity is not None and self.reserved + alloc_size > self.capacity:
             return None  # cudaErrorMemoryAllocation
+        addr = self._new_address_range(alloc_size)
+        self._grow(alloc_size)
+        return _Block(addr, alloc_size, None, None, pool.small)
+
+    def _new_address_range(self, nbytes: int) -> int:
         addr = self._next_addr
-        self._next_addr += alloc_size
+        self._next_addr += nbytes
         if self._next_addr > _ADDR_MASK:
             raise OverflowError("synthetic address space exhausted")
-        self.reserved += alloc_size
-        if self.reserved > self.peak_reserved:
-            self.peak_reserved = self.reserved
-        return _Block(addr, alloc_size, None, None, small)
+        return addr
 
-    def _release_block(self, key: int) -> None:
-        """release_block: cudaFree a cached, unsplit segment (caller removes `key` from `keys`)."""
-        block = self._free.pop(key)
+    def _allocate_expandable(self, pool: _Pool, size: int) -> _Block | None:
+        """try_allocate_expandable_block: map pages at the lowest address with room for `size` bytes."""
+        block = self._find_expandable_block(pool, size)
+        if not block.mapped and not self._map(pool, block, min(block.size, size)):
+            return None
+        while block.size < size:  # a free block followed by unmapped space: map behind it and merge
+            nxt = block.next
+            if not self._map(pool, nxt, min(size - block.size, nxt.size)):
+                return None
+            block = nxt
+        self._remove(pool, block)
+        return block
+
+    def _find_expandable_block(self, pool: _Pool, size: int) -> _Block:
+        """find_expandable_block: the lowest unmapped range (with the free block before it) that has room, or a
+        new segment whose address space covers 9/8 of the card."""
+        for addr in pool.unmapped:
+            block = self._unmapped[addr]
+            if block.prev is not None and not block.prev.allocated:
+                block = block.prev
+            room, b = 0, block
+            while room < size and b is not None and not b.allocated:
+                room += b.size
+                b = b.next
+            if room >= size:
+                return block
+        page = kSmallBuffer if pool.small else self.settings.large_segment_size
+        device = self.capacity if self.capacity is not None else UNBOUNDED_DEVICE
+        pages = -(-(device + device // 8) // page)
+        segment = _Segment(self._new_address_range(pages * page), page, pages)
+        block = _Block(segment.base, pages * page, None, None, pool.small, segment, mapped=False)
+        self._insert_unmapped(pool, block)
+        return block
+
+    def _map(self, pool: _Pool, block: _Block, size: int) -> bool:
+        """map_block: back the first `size` bytes of an unmapped range with whole pages, if the card has them."""
+        segment = block.segment
+        first = (block.addr - segment.base) // segment.page
+        last = -(-(block.addr - segment.base + size) // segment.page)
+        nbytes = (last - first) * segment.page
+        if nbytes == 0 or (self.capacity is not None and self.reserved + nbytes > self.capacity):
+            return False  # cuMemCreate fails: CUDA_ERROR_OUT_OF_MEMORY
+        segment.mapped[first:last] = b"\x01" * (last - first)
+        self._remove_unmapped(pool, block)
+        block.mapped = True
+        if nbytes < block.size:
+            rest = _Block(block.addr + nbytes, block.size - nbytes, block, block.next, pool.small, segment, mapped=False)
+            if block.next is not None:
+                block.next.prev = rest
+            block.next = rest
+            block.size = nbytes
+            self._insert_unmapped(pool, rest)
+        self._try_merge(block, block.prev, pool)
+        self._try_merge(block, block.next, pool)
+        self._insert(pool, block)
+        self._grow(nbytes)
+        return True
+
+    def _unmap(self, pool: _Pool, block: _Block) -> None:
+        """unmap_block: give back the whole pages inside a cached block of an expandable segment."""
+        segment = block.segment
+        offset = block.addr - segment.base
+        first = -(-offset // segment.page)
+        last = (offset + block.size) // segment.page
+        if first >= last:
+            return
+        self._remove(pool, block)
+        start, nbytes = segment.base + first * segment.page, (last - first) * segment.page
+        before, after = start - block.addr, block.size - (start - block.addr) - nbytes
+        if before > 0:
+            head = _Block(block.addr, before, block.prev, block, pool.small, segment)
+            if block.prev is not None:
+                block.prev.next = head
+            block.prev = head
+            self._insert(pool, head)
+        if after > 0:
+            tail = _Block(start + nbytes, after, block, block.next, pool.small, segment)
+            if block.next is not None:
+                block.next.prev = tail
+            block.next = tail
+            self._insert(pool, tail)
+        block.addr, block.size, block.mapped = start, nbytes, False
+        segment.mapped[first:last] = bytes(last - first)
+        self._try_merge(block, block.prev, pool)
+        self._try_merge(block, block.next, pool)
+        self._insert_unmapped(pool, block)
+        self.reserved -= nbytes
+
+    def _release_block(self, pool: _Pool, block: _Block) -> None:
+        """release_block: cudaFree a cached, unsplit segment."""
+        self._remove(pool, block)
         self.reserved -= block.size
 
-    def _release_available_cached_blocks(self, keys: list[int], size: int) -> bool:
-        """release_available_cached_blocks: free oversize cached segments, only if max_split_size
-        is set. Only whole (unsplit) segments are released here; the source would cudaFree a
-        split block in that case, which cannot happen with segment sizes the allocator makes."""
+    def _release_available_cached_blocks(self, pool: _Pool, size: int) -> bool:
+        """release_available_cached_blocks: free oversize cached segments, only if max_split_size is set.
+        Only whole (unsplit) segments are released here; the source would cudaFree a split block in that
+        case, which segment sizes the allocator makes do not produce with the default segment size."""
         mss = self.max_split_size
         if mss == SIZE_MAX:
             return False
+        keys = pool.keys
         target = max(size, mss)
         i = bisect_left(keys, target << _ADDR_BITS)
-        if i < len(keys):
-            key = keys[i]
-            block = self._free[key]
+        if i < len(keys) and self._free[keys[i]].segment is None:
+            block = self._free[keys[i]]
             if block.prev is None and block.next is None:
-                del keys[i]
-                self._release_block(key)
+                self._release_block(pool, block)
             return True
         # No single block is large enough; free oversize blocks, largest first.
         released = 0
-        j = len(keys) - 1
-        while j >= 0 and released < target and (keys[j] >> _ADDR_BITS) >= mss:
-            key = keys[j]
+        for key in reversed(keys[:i]):
             block = self._free[key]
-            if block.prev is None and block.next is None:
+            if released >= target or block.size < mss:
+                break
+            if block.segment is None and block.prev is None and block.next is None:
                 released += block.size
-                del keys[j]
-                self._release_block(key)
-            j -= 1
+                self._release_block(pool, block)
         return released >= target
 
     def _release_cached_blocks(self) -> None:
-        """release_cached_blocks / release_blocks: cudaFree every cached unsplit segment."""
-        for keys in (self._large_keys, self._small_keys):
-            kept = []
-            for key in keys:
+        """release_cached_blocks / release_blocks: cudaFree every cached unsplit segment of both pools, unmap the
+        free pages of expandable segments, drop a segment with nothing left mapped."""
+        for pool in (self._pools[False], self._pools[True]):
+            to_unmap = []
+            for key in list(pool.keys):
                 block = self._free[key]
-                if block.prev is None and block.next is None:
-                    self._release_block(key)
-                else:
-                    kept.append(key)
-            keys[:] = kept
+                if block.segment is not None:
+                    to_unmap.append(block)
+                elif block.prev is None and block.next is None:
+                    self._release_block(pool, block)
+            for block in to_unmap:
+                self._unmap(pool, block)
+                if not block.mapped and block.prev is None and block.next is None:
+                    self._remove_unmapped(pool, block)  # release_expandable_segment
 
-    def _oom_message(self, nbytes: int, size: int, alloc_size: int) -> str:
-        free = self.capacity - self.reserved
-        return (
-            f"CUDA out of memory (vlmprobe allocator model). Tried to allocate {alloc_size} bytes "
-            f"(a new segment for a request of {nbytes} bytes, rounded to {size}). The modelled device "
-            f"has a capacity of {self.capacity} bytes of which {free} bytes is free. Of the allocated "
-            f"memory {self.allocated} bytes is allocated by PyTorch, and "
-            f"{self.reserved - self.allocated} bytes is reserved by PyTorch but unallocated."
-        )
+    def _garbage_collect(self) -> None:
+        """garbage_collect_cached_blocks: past threshold x allowed maximum, release cached whole segments of the
+        large pool whose age (get_free_block calls since they were cached) is at least the mean age, again
+        and again, until reserved is back under the threshold or nothing more can go."""
+        threshold = int(self.settings.garbage_collection_threshold * self.allowed_maximum)
+        if self.reserved <= threshold:
+            return
+        target = self.reserved - threshold
+        pool = self._pools[False]
+
+        def freeable():
+            return [b for b in (self._free[k] for k in pool.keys)
+                    if b.prev is None and b.next is None and b.segment is None]
+
+        blocks = freeable()
+        total_age, count = sum(pool.calls - b.gc_base for b in blocks), len(blocks)
+        reclaimed, freed = 0, True
+        while reclaimed < target and freed and count > 0:
+            age_threshold = total_age / count
+            freed = False
+            for block in freeable():
+                age = pool.calls - block.gc_base
+                if age >= age_threshold:
+                    freed = True
+                    reclaimed += block.size
+                    total_age -= age
+                    count -= 1
+                    self._release_block(pool, block)
 
     def _check_invariants(self) -> None:
         """Consistency of the block structure and the counters (for tests; O(number of blocks))."""
         heads = set()
-        for block in list(self._free.values()) + list(self._live.values()):
+        for block in [*self._free.values(), *self._live.values(), *self._unmapped.values()]:
             head = block
             while head.prev is not None:
                 head = head.prev
             heads.add(head)
-        total = allocated = 0
+        mapped = allocated = 0
         for head in heads:
-            b, prev, seg = head, None, 0
+            b, prev = head, None
             while b is not None:
                 assert b.prev is prev
                 if prev is not None:
                     assert prev.addr + prev.size == b.addr, "blocks of a segment must tile it"
-                    assert not (not prev.allocated and not b.allocated), "adjacent free blocks not merged"
-                    assert prev.small == b.small
-                key = (b.size << _ADDR_BITS) | b.addr
+                    assert prev.allocated or b.allocated or prev.mapped != b.mapped, "adjacent free blocks not merged"
+                    assert prev.small == b.small and prev.segment is b.segment
+                pool = self._pools[b.small]
                 if b.allocated:
-                    assert self._live[b.addr] is b and key not in self._free
+                    assert self._live[b.addr] is b and _key(b) not in self._free and b.mapped
                     allocated += b.size
+                elif b.mapped:
+                    assert self._free[_key(b)] is b and _key(b) in pool.keys
                 else:
-                    assert self._free[key] is b
-                    assert key in (self._small_keys if b.small else self._large_keys)
-                seg += b.size
+                    assert self._unmapped[b.addr] is b and b.addr in pool.unmapped
+                    assert not any(b.segment.mapped[(b.addr - b.segment.base) // b.segment.page:
+                                                    (b.addr + b.size - b.segment.base) // b.segment.page])
+                if b.mapped:
+                    mapped += b.size
                 prev, b = b, b.next
-            total += seg
-        assert total == self.reserved, (total, self.reserved)
+        assert mapped == self.reserved, (mapped, self.reserved)
         assert allocated == self.allocated == self.active
-        assert len(self._small_keys) + len(self._large_keys) == len(self._free)
-        assert self._small_keys == sorted(self._small_keys)
-        assert self._large_keys == sorted(self._large_keys)
+        pools = self._pools.values()
+        assert sum(len(p.keys) for p in pools) == len(self._free)
+        assert sum(len(p.unmapped) for p in pools) == len(self._unmapped)
+        assert all(p.keys == sorted(p.keys) and p.unmapped == sorted(p.unmapped) for p in pools)
         assert self.allocated <= self.reserved
         assert self.peak_allocated >= self.allocated and self.peak_reserved >= self.reserved
+
+
+def _expandable_size(block: _Block) -> int:
+    """get_free_block's expandable_size: a block's size plus the unmapped range right after it."""
+    return block.size + (block.next.size if block.next is not None and not block.next.mapped else 0)

@@ -33,7 +33,8 @@ class TrackerMeter:
         return self.tracker.current
 
     def peaks(self) -> dict[str, int]:
-        return {"allocated": self.tracker.peak}
+        model = self.tracker.allocator  # one stream: nothing awaits another stream, so active == allocated
+        return {"allocated": model.peak_allocated, "reserved": model.peak_reserved, "active": model.peak_active}
 
     def reset_peak(self) -> None:
         self._reserved_closed = self.reserved_peak()
@@ -54,7 +55,7 @@ class TrackedBackend(Backend):
         self.fake = fake
 
     @contextlib.contextmanager
-    def session(self, capacity, record_history: str = "alloc", device=None):
+    def session(self, capacity, record_history: str = "alloc", device=None, settings=None, allowed_maximum=None):
         with contextlib.ExitStack() as stack:
             stack.enter_context(cuda_autocast_policy())
             stack.enter_context(cuda_sdpa_choice(device))  # the SDPA kernels the target card has
@@ -64,11 +65,16 @@ class TrackedBackend(Backend):
                 # allow_non_fake_inputs: module buffers made from Python constants may be real
                 stack.enter_context(FakeTensorMode(allow_non_fake_inputs=True))
                 stack.enter_context(real_run_answers_for_fake_batches())
-            tracker = stack.enter_context(LiveBytesTracker(capacity, answer_fake_scalar_reads=self.fake))
+            tracker = stack.enter_context(LiveBytesTracker(capacity, answer_fake_scalar_reads=self.fake,
+                                                           settings=settings, allowed_maximum=allowed_maximum))
             yield TrackerMeter(tracker, capacity)
 
     def predicted_device_bytes(self, meter, device) -> int | None:
         return device_profile.predicted_device_bytes(meter.reserved_peak(), device)
+
+    def final_stats(self, meter) -> dict:
+        model = meter.tracker.allocator
+        return {"num_alloc_retries": model.num_alloc_retries, "num_ooms": model.num_ooms}
 
     def oom_columns(self, meter, message: str) -> dict:
         block, segment = meter.tracker.allocator.last_oom or (None, None)

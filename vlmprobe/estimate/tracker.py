@@ -23,6 +23,7 @@ from torch._subclasses.fake_tensor import DataDependentOutputException
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_leaves
 
+from vlmprobe.estimate.alloc_conf import AllocatorSettings
 from vlmprobe.estimate.allocator import CachingAllocatorModel
 
 _FROM_PYTHON_DATA = (torch.ops.aten.lift_fresh.default, torch.ops.aten.lift_fresh_copy.default)
@@ -30,11 +31,13 @@ _FROM_PYTHON_DATA = (torch.ops.aten.lift_fresh.default, torch.ops.aten.lift_fres
 
 class LiveBytesTracker(TorchDispatchMode):
     """Allocates every new storage from a caching-allocator model; with a `capacity` (device bytes), a
-    segment that does not fit raises OutOfMemoryError as CUDA would."""
+    segment that does not fit raises OutOfMemoryError as CUDA would. `settings` and `allowed_maximum`: the
+    allocator settings and memory fraction the model applies (vlmprobe.estimate.alloc_conf)."""
 
-    def __init__(self, capacity: int | None = None, answer_fake_scalar_reads: bool = False):
+    def __init__(self, capacity: int | None = None, answer_fake_scalar_reads: bool = False,
+                 settings: AllocatorSettings | None = None, allowed_maximum: int | None = None):
         super().__init__()
-        self.allocator = CachingAllocatorModel(capacity)
+        self.allocator = CachingAllocatorModel(capacity, settings, allowed_maximum)
         self.answer_fake_scalar_reads = answer_fake_scalar_reads
         self._seen: weakref.WeakSet = weakref.WeakSet()
         self._blocks: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # storage -> (handle, finalizer)
