@@ -11,7 +11,9 @@ from conftest import CONF, TESTS
 from vlmprobe.models.base import count_params
 
 MODELS = sorted(p.stem for p in (CONF / "model").glob("*.yaml"))
-SWEEPS = sorted(p.stem for p in (CONF / "sweep").glob("*.yaml"))
+# grid100 plans 100 points (Hydra composes each: about 40 s on 2 cores): checked among the slow tests
+SWEEPS = [pytest.param(name, marks=pytest.mark.slow) if name == "grid100" else name
+          for name in sorted(p.stem for p in (CONF / "sweep").glob("*.yaml"))]
 # model=hf builds from a config.json: here a tiny one in the Hub's layout (tests/data/hf, see test_hf.py)
 HF_TINY = TESTS / "data" / "hf" / "qwen2_5_vl_tiny"
 NEEDS = {"hf": [f"model.config={HF_TINY}"]}
