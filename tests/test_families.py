@@ -10,10 +10,14 @@ from hydra.utils import instantiate
 from vlmprobe.models.base import count_params
 from vlmprobe.worker import measure
 
-FAMILIES = {  # tiny config -> data that fits it (the images take 16 tokens in each)
+FAMILIES = {  # tiny config -> data that fits it (the images take 16 tokens in each, 20 in idefics3_tiny)
     "qwen2_5_vl_tiny": ["data.batch_size=2", "data.lm_max_length=64"],
     "llava_tiny": ["data.batch_size=2", "data.lm_max_length=48"],
+    "idefics3_tiny": ["data.batch_size=2", "data.lm_max_length=48"],
 }
+# the projector of each family where it is a module of its own (Qwen's merger lives inside its vision tower,
+# frozen with it)
+PROJECTORS = {"qwen2_5_vl_tiny": set(), "llava_tiny": {"multi_modal_projector"}, "idefics3_tiny": {"connector"}}
 BYTE_COLUMNS = ("peak_allocated_bytes", "last_step_peak_allocated_bytes", "forward_peak_bytes", "backward_peak_bytes",
                 "optimizer_peak_bytes", "after_load_bytes", "activations_bytes", "grads_bytes", "optimizer_state_bytes",
                 "params_bytes")
@@ -58,7 +62,13 @@ def tower_params(spec, model, tower) -> int:
     return sum(count_params(m)[0] for m in spec.towers(model)[tower])
 
 
-@pytest.mark.parametrize("setting", SETTINGS)
+# The default training setting (bf16 autocast) with every knob, and bf16 weights with several images, cover
+# each family's code paths; the fp32 settings run with the slow tests, keeping the suite's time as families grow
+SLOW_SETTINGS = {"fp32", "fp32+bf16_autocast"}
+
+
+@pytest.mark.parametrize("setting", [pytest.param(s, marks=pytest.mark.slow) if s in SLOW_SETTINGS else s
+                                     for s in SETTINGS])
 @pytest.mark.parametrize("family", FAMILIES)
 def test_estimate_equals_the_cpu_backend_to_the_byte(run, family, setting):
     overrides = base(family, *SETTINGS[setting])
@@ -74,8 +84,7 @@ def test_the_towers_cover_every_parameter_but_the_projector(built, family):
     towers = spec.towers(model)
     in_towers = {id(p) for modules in towers.values() for m in modules for p in m.parameters()}
     outside = {name.split(".")[1] for name, p in model.named_parameters() if id(p) not in in_towers}
-    # Qwen's merger lives inside its vision tower (frozen with it); LLaVA's projector is a module of its own
-    assert outside == ({"multi_modal_projector"} if family.startswith("llava") else set())
+    assert outside == PROJECTORS[family]
 
 
 @pytest.mark.parametrize("tower", ["vision", "lm"])

@@ -16,7 +16,9 @@ from vlmprobe.worker import measure
 
 DATA = TESTS / "data" / "hf"
 # keys a config.json may carry that transformers keeps but no model reads (the Hub files have them)
-UNREAD = {"vision_config.in_chans", "vision_config.spatial_patch_size", "vision_config.vocab_size"}
+UNREAD = {"vision_config.in_chans", "vision_config.spatial_patch_size", "vision_config.vocab_size",
+          "text_config._flash_attn_2_enabled", "vision_config.max_image_size", "vision_config.size",
+          "vision_config.use_base_siglip", "vision_config.tie_word_embeddings"}
 
 
 def flat(config: dict, prefix: str = "") -> dict:
@@ -42,6 +44,7 @@ def spec(compose):
     ("Qwen2.5-VL-7B-Instruct", "qwen2_5_vl_7b", 8_292_166_656),
     ("Qwen2-VL-2B-Instruct", "qwen2_vl_2b", 2_208_985_600),
     ("llava-1.5-7b-hf", "llava_1_5_7b", 7_063_427_072),
+    ("SmolVLM-256M-Instruct", "smolvlm_256m", 256_484_928),
 ])
 def test_a_published_config_json_builds_what_its_shipped_yaml_builds(spec, folder, shipped, params):
     from_json = spec("model=hf", f"model.config={DATA / folder}")
@@ -53,13 +56,14 @@ def test_a_published_config_json_builds_what_its_shipped_yaml_builds(spec, folde
     assert [(n, p.shape) for n, p in json_model.named_parameters()] == [(n, p.shape) for n, p in yaml_model.named_parameters()]
     if hasattr(from_yaml, "min_pixels"):  # Qwen: the pixel bounds, from preprocessor_config.json where there is one
         assert (from_json.min_pixels, from_json.max_pixels) == (from_yaml.min_pixels, from_yaml.max_pixels)
+    assert from_json.native_image_size == from_yaml.native_image_size  # SmolVLM: the processor's longest edge
 
 
 @pytest.mark.parametrize("folder,shipped", [("qwen2_5_vl_tiny", "qwen2_5_vl_tiny"), ("qwen2_vl_tiny", "qwen2_vl_tiny"),
-                                            ("llava_tiny", "llava_tiny")])
+                                            ("llava_tiny", "llava_tiny"), ("idefics3_tiny", "idefics3_tiny")])
 def test_a_tiny_config_json_point_uses_the_memory_of_its_shipped_yaml_to_the_byte(plan_points, folder, shipped):
     data = ["data.batch_size=2", "data.lm_max_length=48", "measure.backend=estimate", "measure.steps=1"]
-    data += [] if shipped.startswith("llava") else ["data.image_size=112"]  # a Qwen config.json has no image size
+    data += ["data.image_size=112"] if shipped.startswith("qwen") else []  # a Qwen config.json has no image size
     (hf,) = plan_points(["model=hf", f"model.config={DATA / folder / 'config.json'}", *data])
     (yaml,) = plan_points([f"model={shipped}", *data])
     assert hf.inputs["model"] == folder and hf.inputs["params"] == yaml.inputs["params"]
@@ -109,7 +113,7 @@ def _write(path, text):
     ("not JSON", r"model.config=.*/broken.json is not allowed: it cannot be read as JSON"),
     ("not an object", r"model.config=.*/list.json is not allowed: it is JSON but not an object of config keys"),
     ("unsupported family", r"model.config=.*/gemma3 is not allowed: its model_type 'gemma3' is not a family vlmprobe "
-                           r"builds \(supported: llava, qwen2_5_vl, qwen2_vl\)"),
+                           r"builds \(supported: idefics3, llava, qwen2_5_vl, qwen2_vl, smolvlm\)"),
     ("no model_type", r"model.config=.*/bare.json is not allowed: its model_type None is not a family"),
 ])
 def test_a_config_path_that_cannot_be_used_is_one_line(plan_points, tmp_path, case, message):

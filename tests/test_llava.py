@@ -5,6 +5,7 @@ and the model's own image features, consistent inputs, and image sizes the model
 import pytest
 import torch
 
+from hand_counts import llama_params
 from vlmprobe.errors import ConfigError
 from vlmprobe.models.base import DataShape, count_params
 from vlmprobe.models.llava import IGNORE_INDEX
@@ -27,14 +28,6 @@ def clip_vision_params(v: dict) -> int:
     embeddings = d + v["num_channels"] * v["patch_size"] ** 2 * d + (patches + 1) * d
     layer = 4 * (d * d + d) + (d * f + f) + (f * d + d) + 2 * 2 * d
     return embeddings + 2 * d + v["num_hidden_layers"] * layer + 2 * d
-
-
-def llama_params(t: dict) -> int:
-    """Hand count of a Llama LM without its head: embedding, per layer q/k/v/o and a SwiGLU MLP without
-    bias and two RMSNorms, the final norm."""
-    d, f, head = t["hidden_size"], t["intermediate_size"], t["head_dim"]
-    layer = d * t["num_attention_heads"] * head * 2 + 2 * d * t["num_key_value_heads"] * head + 3 * d * f + 2 * d
-    return t["vocab_size"] * d + t["num_hidden_layers"] * layer + d
 
 
 def test_llava_1_5_7b_on_meta_has_the_published_parameter_count(spec):

@@ -1,12 +1,13 @@
 """Integer inputs whose values a forward reads, made so that fake tensors can answer those reads.
 
-Several VLM forwards read values of small integer tensors (Qwen's image_grid_thw.tolist() and cu_seqlens
-split sizes, the image-token count check of get_placeholder_mask in Qwen and LLaVA). FakeTensorMode (the
+Several VLM forwards read values of their inputs (Qwen's image_grid_thw.tolist() and cu_seqlens split
+sizes, the image-token count check of get_placeholder_mask in Qwen and LLaVA, Idefics3's search for all-zero
+padding images in pixel_values). FakeTensorMode (the
 estimate backend runs batch() and loss() inside it) can answer those only for *constant* fake tensors
 (fakes that keep their real values), and it propagates constants only through ops whose outputs have at
 most CONSTANT_NUMEL_LIMIT (= 1) elements. A family's batch() therefore raises that limit to the batch's
 token count for as long as the batch lives (`hold_constant_limit`) and makes its integer inputs with
-`constant_ints` -- torch.tensor of Python data, which under the mode gives constant fakes and on real
+`constant_tensor` -- torch.tensor of Python data, which under the mode gives constant fakes and on real
 backends ordinary tensors -- so every integer tensor derived from them in the forward (and in checkpointed
 recomputation) stays constant and the model runs unchanged. Constants are only these integer inputs, what
 is derived from them (masks, counts, cu_seqlens) and Python scalars; every activation derives from
@@ -57,8 +58,9 @@ def release_with(tensor: torch.Tensor, release: Callable[[], None]) -> None:
     weakref.finalize(tensor, release)
 
 
-def constant_ints(values, device: torch.device, dtype: torch.dtype = torch.long) -> torch.Tensor:
-    """An integer tensor of Python data: a constant fake under FakeTensorMode. torch.tensor's own storage
+def constant_tensor(values, device: torch.device, dtype: torch.dtype = torch.long) -> torch.Tensor:
+    """A tensor of Python data or a numpy array (integers, or Idefics3's pixel values, which its forward
+    reads to drop all-zero padding images): a constant fake under FakeTensorMode. torch.tensor's own storage
     never passes the tracker (made without a dispatched allocation; the tracker skips fake mode's
     lift_fresh), but a collator's batch lives on the GPU: the clone allocates it through a dispatched op on
     every backend (and stays constant: clone of a constant is constant, within the held limit)."""

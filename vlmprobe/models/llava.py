@@ -25,7 +25,7 @@ from torch import nn
 
 from vlmprobe.errors import ConfigError
 from vlmprobe.models.base import DataShape, ModelSpec, hyperparameters
-from vlmprobe.models.fake_constants import constant_ints, hold_constant_limit, release_with
+from vlmprobe.models.fake_constants import constant_tensor, hold_constant_limit, release_with
 
 IGNORE_INDEX = -100
 # Vision towers whose output sequence we know: patch tokens plus this many class tokens
@@ -137,8 +137,8 @@ class LlavaSpec(ModelSpec):
         b, size = data.batch_size, self.native_image_size
         release = hold_constant_limit(b * data.lm_max_length)  # the forward counts image tokens in input_ids
         batch = {
-            "input_ids": constant_ints([input_ids] * b, device),
-            "labels": constant_ints([labels] * b, device),
+            "input_ids": constant_tensor([input_ids] * b, device),
+            "labels": constant_tensor([labels] * b, device),
             "pixel_values": torch.randn(b * data.images_per_sample, self.vision.get("num_channels", 3), size, size,
                                         dtype=torch.float32, device=device),
         }

@@ -40,7 +40,7 @@ from torch import nn
 
 from vlmprobe.errors import ConfigError
 from vlmprobe.models.base import DataShape, ModelSpec, hyperparameters
-from vlmprobe.models.fake_constants import constant_ints, hold_constant_limit, release_with
+from vlmprobe.models.fake_constants import constant_tensor, hold_constant_limit, release_with
 
 IGNORE_INDEX = -100
 
@@ -238,11 +238,11 @@ class Qwen2VLSpec(ModelSpec):
         # backward when activation checkpointing recomputes vision blocks (cu_seqlens split sizes).
         release = hold_constant_limit(b * data.lm_max_length)
         batch = {
-            "input_ids": constant_ints([input_ids] * b, device),
-            "labels": constant_ints([labels] * b, device),
-            "mm_token_type_ids": constant_ints([types] * b, device),
-            "position_ids": constant_ints([[row] * b for row in positions], device),  # (3, B, L)
-            "image_grid_thw": constant_ints([[1, rows, cols]] * n_images, device),
+            "input_ids": constant_tensor([input_ids] * b, device),
+            "labels": constant_tensor([labels] * b, device),
+            "mm_token_type_ids": constant_tensor([types] * b, device),
+            "position_ids": constant_tensor([[row] * b for row in positions], device),  # (3, B, L)
+            "image_grid_thw": constant_tensor([[1, rows, cols]] * n_images, device),
             "pixel_values": torch.randn(n_images * rows * cols, patch_values, dtype=torch.float32, device=device),
             **self.vision_inputs([(rows, cols)] * n_images, device),
         }
