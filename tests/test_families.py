@@ -14,10 +14,12 @@ FAMILIES = {  # tiny config -> data that fits it (the images take 16 tokens in e
     "qwen2_5_vl_tiny": ["data.batch_size=2", "data.lm_max_length=64"],
     "llava_tiny": ["data.batch_size=2", "data.lm_max_length=48"],
     "idefics3_tiny": ["data.batch_size=2", "data.lm_max_length=48"],
+    "gemma3_tiny": ["data.batch_size=2", "data.lm_max_length=48"],
 }
 # the projector of each family where it is a module of its own (Qwen's merger lives inside its vision tower,
 # frozen with it)
-PROJECTORS = {"qwen2_5_vl_tiny": set(), "llava_tiny": {"multi_modal_projector"}, "idefics3_tiny": {"connector"}}
+PROJECTORS = {"qwen2_5_vl_tiny": set(), "llava_tiny": {"multi_modal_projector"}, "idefics3_tiny": {"connector"},
+              "gemma3_tiny": {"multi_modal_projector"}}
 BYTE_COLUMNS = ("peak_allocated_bytes", "last_step_peak_allocated_bytes", "forward_peak_bytes", "backward_peak_bytes",
                 "optimizer_peak_bytes", "after_load_bytes", "activations_bytes", "grads_bytes", "optimizer_state_bytes",
                 "params_bytes")
@@ -59,7 +61,9 @@ def built(compose):
 
 
 def tower_params(spec, model, tower) -> int:
-    return sum(count_params(m)[0] for m in spec.towers(model)[tower])
+    """Parameters of a tower, a weight shared by two of its modules (Gemma's tied head) counted once."""
+    unique = {id(p): p for m in spec.towers(model)[tower] for p in m.parameters()}
+    return sum(p.numel() for p in unique.values())
 
 
 # The default training setting (bf16 autocast) with every knob, and bf16 weights with several images, cover

@@ -5,10 +5,10 @@ processor would not give the model refused. (Estimate vs cpu and the knobs: test
 import pytest
 import torch
 
-from hand_counts import llama_params
+from hand_counts import llama_params, siglip_params
 from vlmprobe.errors import ConfigError
-from vlmprobe.models.base import DataShape, count_params
-from vlmprobe.models.idefics3 import IGNORE_INDEX, MAX_IMAGE_SIZE
+from vlmprobe.models.base import IGNORE_INDEX, DataShape, count_params
+from vlmprobe.models.idefics3 import MAX_IMAGE_SIZE
 
 CPU = torch.device("cpu")
 
@@ -18,16 +18,6 @@ def spec(compose):
     from hydra.utils import instantiate
 
     return lambda name, *extra: instantiate(compose([f"model={name}", *extra]).model, _convert_="all")
-
-
-def siglip_params(v: dict) -> int:
-    """Hand count of Idefics3's vision transformer (no transformers): Conv2d patch embedding with bias, a
-    position embedding per patch of a tile, per layer four attention Linears and two MLP Linears with bias and
-    two LayerNorms, the post-LayerNorm."""
-    d, f, side = v["hidden_size"], v["intermediate_size"], v["image_size"] // v["patch_size"]
-    embeddings = v["num_channels"] * v["patch_size"] ** 2 * d + d + side**2 * d
-    layer = 4 * (d * d + d) + (d * f + f) + (f * d + d) + 2 * 2 * d
-    return embeddings + v["num_hidden_layers"] * layer + 2 * d
 
 
 @pytest.mark.parametrize("name,total", [

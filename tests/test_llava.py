@@ -7,8 +7,7 @@ import torch
 
 from hand_counts import llama_params
 from vlmprobe.errors import ConfigError
-from vlmprobe.models.base import DataShape, count_params
-from vlmprobe.models.llava import IGNORE_INDEX
+from vlmprobe.models.base import IGNORE_INDEX, DataShape, count_params
 
 CPU = torch.device("cpu")
 

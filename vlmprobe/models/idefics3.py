@@ -36,10 +36,9 @@ import torch
 from torch import nn
 
 from vlmprobe.errors import ConfigError
-from vlmprobe.models.base import DataShape, ModelSpec, hyperparameters
+from vlmprobe.models.base import DataShape, ModelSpec, hyperparameters, prompt_then_text
 from vlmprobe.models.fake_constants import constant_tensor, hold_constant_limit, release_with
 
-IGNORE_INDEX = -100
 MAX_IMAGE_SIZE = 4096  # transformers' idefics3 / smolvlm image processors: no side beyond it ("4k resolution")
 
 
@@ -168,12 +167,9 @@ class Idefics3Spec(ModelSpec):
     # -- inputs ---------------------------------------------------------------------------------------
     def _sample(self, data: DataShape) -> tuple[list[int], list[int]]:
         """input_ids and labels of one sample: a start token, the images, then text."""
-        image_ids = self._image_text(*self.grid(data))
-        ids = [self.text.get("bos_token_id") or 1] + image_ids * data.images_per_sample
-        n_text = data.lm_max_length - len(ids)
-        text_vocab = min(self.image_token_id, self.text["vocab_size"])  # ordinary text ids lie below <image>
-        text = [(17 * i + 3) % text_vocab for i in range(n_text)]  # content does not change memory
-        return ids + text, [IGNORE_INDEX] * len(ids) + text
+        prompt = [self.text.get("bos_token_id") or 1] + self._image_text(*self.grid(data)) * data.images_per_sample
+        # ordinary text ids lie below <image>
+        return prompt_then_text(prompt, data.lm_max_length, min(self.image_token_id, self.text["vocab_size"]))
 
     def batch(self, data: DataShape, device: torch.device) -> dict:
         self.validate(data)
@@ -193,9 +189,6 @@ class Idefics3Spec(ModelSpec):
         release_with(batch["input_ids"], release)
         return batch
 
-    def loss(self, model: nn.Module, batch: dict):
-        outputs = model(**batch, attention_mask=None, use_cache=False)  # Idefics3CausalLMOutputWithPast (loss, logits)
-        return outputs.loss, outputs
 
 
 class SmolVLMSpec(Idefics3Spec):

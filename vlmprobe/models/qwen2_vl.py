@@ -39,10 +39,9 @@ import torch
 from torch import nn
 
 from vlmprobe.errors import ConfigError
-from vlmprobe.models.base import DataShape, ModelSpec, hyperparameters
+from vlmprobe.models.base import IGNORE_INDEX, DataShape, ModelSpec, filler_text, hyperparameters
 from vlmprobe.models.fake_constants import constant_tensor, hold_constant_limit, release_with
 
-IGNORE_INDEX = -100
 
 
 def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixels: int) -> tuple[int, int]:
@@ -218,7 +217,7 @@ class Qwen2VLSpec(ModelSpec):
             types += [0] + [1] * per_image + [0]
             layout += [("text", 1), ("image", (rows, cols)), ("text", 1)]
         n_text = data.lm_max_length - len(input_ids)
-        input_ids += [(17 * i + 3) % text_vocab for i in range(n_text)]  # content does not change memory
+        input_ids += filler_text(n_text, text_vocab)
         types += [0] * n_text
         layout.append(("text", n_text))
         labels = [IGNORE_INDEX if t or i in (ids["vision_start_token_id"], ids["vision_end_token_id"]) else i
@@ -249,9 +248,6 @@ class Qwen2VLSpec(ModelSpec):
         release_with(batch["input_ids"], release)
         return batch
 
-    def loss(self, model: nn.Module, batch: dict):
-        outputs = model(**batch, attention_mask=None, use_cache=False)  # CausalLMOutputWithPast (loss, logits)
-        return outputs.loss, outputs
 
 
 def pixel_bounds_of(preprocessor: dict) -> tuple[int, int]:
