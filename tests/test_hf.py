@@ -62,7 +62,8 @@ def test_a_published_config_json_builds_what_its_shipped_yaml_builds(spec, folde
 
 @pytest.mark.parametrize("folder,shipped", [("qwen2_5_vl_tiny", "qwen2_5_vl_tiny"), ("qwen2_vl_tiny", "qwen2_vl_tiny"),
                                             ("llava_tiny", "llava_tiny"), ("idefics3_tiny", "idefics3_tiny"),
-                                            ("gemma3_tiny", "gemma3_tiny"), ("mllama_tiny", "mllama_tiny")])
+                                            ("gemma3_tiny", "gemma3_tiny"), ("mllama_tiny", "mllama_tiny"),
+                                            ("internvl_tiny", "internvl_tiny")])
 def test_a_tiny_config_json_point_uses_the_memory_of_its_shipped_yaml_to_the_byte(plan_points, folder, shipped):
     data = ["data.batch_size=2", "data.lm_max_length=48", "measure.backend=estimate", "measure.steps=1"]
     data += ["data.image_size=112"] if shipped.startswith("qwen") else []  # a Qwen config.json has no image size
@@ -129,8 +130,8 @@ def _write(path, text):
     ("folder without config.json", r"model.config=.*/empty is not allowed: the folder has no config.json"),
     ("not JSON", r"model.config=.*/broken.json is not allowed: it cannot be read as JSON"),
     ("not an object", r"model.config=.*/list.json is not allowed: it is JSON but not an object of config keys"),
-    ("unsupported family", r"model.config=.*/internvl is not allowed: its model_type 'internvl' is not a family vlmprobe "
-                           r"builds \(supported: gemma3, idefics3, llava, mllama, qwen2_5_vl, qwen2_vl, smolvlm\)"),
+    ("unsupported family", r"model.config=.*/llava_next is not allowed: its model_type 'llava_next' is not a family vlmprobe "
+                           r"builds \(supported: gemma3, idefics3, internvl, llava, mllama, qwen2_5_vl, qwen2_vl, smolvlm\)"),
     ("no model_type", r"model.config=.*/bare.json is not allowed: its model_type None is not a family"),
 ])
 def test_a_config_path_that_cannot_be_used_is_one_line(plan_points, tmp_path, case, message):
@@ -141,7 +142,7 @@ def test_a_config_path_that_cannot_be_used_is_one_line(plan_points, tmp_path, ca
         "folder without config.json": tmp_path / "empty",
         "not JSON": _write(tmp_path / "broken.json", "{not json"),
         "not an object": _write(tmp_path / "list.json", "[1, 2]"),
-        "unsupported family": _write(tmp_path / "internvl" / "config.json", '{"model_type": "internvl"}').parent,
+        "unsupported family": _write(tmp_path / "llava_next" / "config.json", '{"model_type": "llava_next"}').parent,
         "no model_type": _write(tmp_path / "bare.json", '{"hidden_size": 8}'),
     }
     with pytest.raises(ConfigError, match=message) as error:
