@@ -78,3 +78,10 @@ def test_published_parameter_count_of_nanovlm_222m(compose):
     assert count_params(model) == (222_083_328, 222_083_328)
     assert sum(p.numel() for p in model.projector.parameters()) == 768 * 4 * 576
     assert model.lm.head.weight is model.lm.embed.weight  # tied
+
+
+def test_the_families_sweep_has_every_published_model():
+    from omegaconf import OmegaConf
+
+    axis = OmegaConf.load(CONF / "sweep" / "families.yaml").sweep.axes.model
+    assert sorted(axis) == [m for m in MODELS if not m.endswith("_tiny") and m != "hf"]

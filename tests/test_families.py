@@ -7,13 +7,24 @@ import pytest
 import torch
 from hydra.utils import instantiate
 
+from vlmprobe.errors import ConfigError
 from vlmprobe.models.base import count_params
 from vlmprobe.worker import measure
 
-FAMILIES = {  # tiny config -> data that fits it (the images take 16 tokens in each)
+FAMILIES = {  # tiny config -> data that fits it (the images take 16 tokens in each, 20 in
+    # idefics3_tiny and internvl_tiny, one per image in mllama_tiny)
     "qwen2_5_vl_tiny": ["data.batch_size=2", "data.lm_max_length=64"],
     "llava_tiny": ["data.batch_size=2", "data.lm_max_length=48"],
+    "idefics3_tiny": ["data.batch_size=2", "data.lm_max_length=48"],
+    "gemma3_tiny": ["data.batch_size=2", "data.lm_max_length=48"],
+    "mllama_tiny": ["data.batch_size=2", "data.lm_max_length=48"],
+    "internvl_tiny": ["data.batch_size=2", "data.lm_max_length=48", "data.image_size=112"],  # 2 x 2 tiles + thumbnail
 }
+# the projector of each family where it is a module of its own (Qwen's merger lives inside its vision tower,
+# frozen with it)
+PROJECTORS = {"qwen2_5_vl_tiny": set(), "llava_tiny": {"multi_modal_projector"}, "idefics3_tiny": {"connector"},
+              "gemma3_tiny": {"multi_modal_projector"}, "mllama_tiny": {"multi_modal_projector"},
+              "internvl_tiny": {"multi_modal_projector"}}
 BYTE_COLUMNS = ("peak_allocated_bytes", "last_step_peak_allocated_bytes", "forward_peak_bytes", "backward_peak_bytes",
                 "optimizer_peak_bytes", "after_load_bytes", "activations_bytes", "grads_bytes", "optimizer_state_bytes",
                 "params_bytes")
@@ -28,8 +39,14 @@ SETTINGS = {
 }
 
 
+# towers transformers does not checkpoint (no GradientCheckpointingLayer): checkpointing them is refused
+NOT_CHECKPOINTED = {("mllama_tiny", "vision")}
+
+
 def base(family, *extra):
-    return [f"model={family}", *FAMILIES[family], "measure.backend=estimate", *extra]
+    """A point's overrides; a checkpointing knob the family refuses is left out of a setting."""
+    kept = [o for o in extra if not any(o == f"train.grad_ckpt.{t}=true" for f, t in NOT_CHECKPOINTED if f == family)]
+    return [f"model={family}", *FAMILIES[family], "measure.backend=estimate", *kept]
 
 
 @pytest.fixture
@@ -55,10 +72,18 @@ def built(compose):
 
 
 def tower_params(spec, model, tower) -> int:
-    return sum(count_params(m)[0] for m in spec.towers(model)[tower])
+    """Parameters of a tower, a weight shared by two of its modules (Gemma's tied head) counted once."""
+    unique = {id(p): p for m in spec.towers(model)[tower] for p in m.parameters()}
+    return sum(p.numel() for p in unique.values())
 
 
-@pytest.mark.parametrize("setting", SETTINGS)
+# The default training setting (bf16 autocast) with every knob, and bf16 weights with several images, cover
+# each family's code paths; the fp32 settings run with the slow tests, keeping the suite's time as families grow
+SLOW_SETTINGS = {"fp32", "fp32+bf16_autocast"}
+
+
+@pytest.mark.parametrize("setting", [pytest.param(s, marks=pytest.mark.slow) if s in SLOW_SETTINGS else s
+                                     for s in SETTINGS])
 @pytest.mark.parametrize("family", FAMILIES)
 def test_estimate_equals_the_cpu_backend_to_the_byte(run, family, setting):
     overrides = base(family, *SETTINGS[setting])
@@ -68,14 +93,31 @@ def test_estimate_equals_the_cpu_backend_to_the_byte(run, family, setting):
     assert {k: estimate[k] for k in BYTE_COLUMNS} == {k: cpu[k] for k in BYTE_COLUMNS}
 
 
+# parameters a real step leaves without a gradient: LLaVA's vision_feature_layer -2 leaves the last CLIP layer and
+# post_layernorm running but feeding nothing (as in real LLaVA training)
+UNUSED = {"llava_tiny": ("model.vision_tower.encoder.layers.1.", "model.vision_tower.post_layernorm.")}
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_one_real_step_trains_every_parameter_the_forward_uses(compose, family):
+    from vlmprobe.models.base import DataShape
+
+    spec = instantiate(compose([f"model={family}"]).model, _convert_="all")
+    model = spec.build("cpu", torch.float32)
+    loss, outputs = spec.loss(model, spec.batch(DataShape(batch_size=2, lm_max_length=48), torch.device("cpu")))
+    loss.backward()
+    assert torch.isfinite(loss) and outputs.logits.shape == (2, 48, spec.text["vocab_size"])
+    no_grad = {name for name, p in model.named_parameters() if p.grad is None}
+    assert no_grad == {n for n, _ in model.named_parameters() if n.startswith(UNUSED.get(family, ("-",)))}
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_the_towers_cover_every_parameter_but_the_projector(built, family):
     spec, model = built(family)
     towers = spec.towers(model)
     in_towers = {id(p) for modules in towers.values() for m in modules for p in m.parameters()}
     outside = {name.split(".")[1] for name, p in model.named_parameters() if id(p) not in in_towers}
-    # Qwen's merger lives inside its vision tower (frozen with it); LLaVA's projector is a module of its own
-    assert outside == ({"multi_modal_projector"} if family.startswith("llava") else set())
+    assert outside == PROJECTORS[family]
 
 
 @pytest.mark.parametrize("tower", ["vision", "lm"])
@@ -87,14 +129,28 @@ def test_freezing_a_tower_leaves_the_rest_trainable(plan_points, built, family, 
     assert planned.inputs["trainable_params"] == count_params(model)[0] - tower_params(spec, model, tower)
 
 
-@pytest.mark.parametrize("tower", ["vision", "lm"])
-@pytest.mark.parametrize("family", FAMILIES)
+# Checkpointing goes through transformers' gradient_checkpointing_enable in every transformers family: the non-slow
+# suite checks that activations drop on the first two, the slow tests on every family (the estimate == cpu setting
+# with checkpointing runs for every family in both)
+CHECKPOINTING_FAST = {"qwen2_5_vl_tiny", "llava_tiny"}
+
+
+@pytest.mark.parametrize("family,tower", [
+    (f, t) if f in CHECKPOINTING_FAST else pytest.param(f, t, marks=pytest.mark.slow)
+    for f in FAMILIES for t in ("vision", "lm") if (f, t) not in NOT_CHECKPOINTED])
 def test_checkpointing_a_tower_saves_activations_and_changes_no_training_state(run, family, tower):
     _, plain = run(base(family))
     inputs, ckpt = run(base(family, f"train.grad_ckpt.{tower}=true"))
     assert ckpt["activations_bytes"] < plain["activations_bytes"]
     assert {k: ckpt[k] for k in TRAINING_STATE} == {k: plain[k] for k in TRAINING_STATE}
     assert inputs[f"grad_ckpt_{tower}"] is True
+
+
+@pytest.mark.parametrize("family,tower", sorted(NOT_CHECKPOINTED))
+def test_a_tower_transformers_does_not_checkpoint_is_refused(plan_points, family, tower):
+    with pytest.raises(ConfigError, match=rf"train.grad_ckpt.{tower}=true is not allowed for {family}: its {tower} "
+                                          rf"tower has no layers that transformers checkpoints"):
+        plan_points([f"model={family}", *FAMILIES[family], f"train.grad_ckpt.{tower}=true"])
 
 
 @pytest.mark.parametrize("family", FAMILIES)

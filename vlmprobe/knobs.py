@@ -19,7 +19,7 @@ def apply_knobs(spec, model: nn.Module, train: dict) -> None:
     for tower in ("lm", "vision"):
         if train["grad_ckpt"][tower] and not [checkpoint_layers(m) for m in towers[tower] if has_layers(m)]:
             raise ConfigError(f"train.grad_ckpt.{tower}=true is not allowed for {spec.name}: its {tower} tower has "
-                              f"no layers to checkpoint")
+                              f"no layers that transformers checkpoints")
     for tower in ("vision", "lm"):
         if train[f"freeze_{tower}"]:
             for module in towers[tower]:
@@ -29,11 +29,16 @@ def apply_knobs(spec, model: nn.Module, train: dict) -> None:
 
 
 def has_layers(module: nn.Module) -> bool:
-    """Whether checkpoint_layers can act on it: a transformers model, or our own module with `.blocks`
-    (a tower's other parts, such as an LM head, have no layers)."""
+    """Whether checkpoint_layers can act on it: a transformers model whose layers transformers checkpoints
+    (GradientCheckpointingLayer: transformers 5.23's Mllama vision encoder has none, so its
+    gradient_checkpointing_enable keeps every activation), or our own module with `.blocks` (a tower's other
+    parts, such as an LM head, have no layers)."""
     from transformers import PreTrainedModel
+    from transformers.modeling_layers import GradientCheckpointingLayer
 
-    return isinstance(module, PreTrainedModel) or isinstance(getattr(module, "blocks", None), nn.ModuleList)
+    if isinstance(module, PreTrainedModel):
+        return any(isinstance(m, GradientCheckpointingLayer) for m in module.modules())
+    return isinstance(getattr(module, "blocks", None), nn.ModuleList)
 
 
 def checkpoint_layers(module: nn.Module) -> None:

@@ -86,14 +86,15 @@ class DDPEngine(Engine):
 
 
 def tower_blocks(spec, model: nn.Module) -> list[nn.Module]:
-    """The transformer blocks of each tower, in tower order: the first ModuleList named `blocks` or `layers`
-    inside each tower module (`.blocks` for nanoVLM and Qwen's vision towers, `.layers` for transformers'
-    language models, `.encoder.layers` for CLIP and SigLIP towers)."""
+    """The transformer blocks of each tower, in tower order: the first ModuleList named `blocks`, `layers` or
+    `layer` inside each tower module (`.blocks` for nanoVLM and Qwen's vision towers, `.layers` for
+    transformers' language models, `.encoder.layers` for CLIP and SigLIP towers, `.encoder.layer` for
+    InternViT)."""
     found = []
     for modules in spec.towers(model).values():
         for module in modules:
             for name, child in module.named_modules():
-                if name.rsplit(".", 1)[-1] in ("blocks", "layers") and isinstance(child, nn.ModuleList):
+                if name.rsplit(".", 1)[-1] in ("blocks", "layers", "layer") and isinstance(child, nn.ModuleList):
                     found.extend(child)
                     break
     return found

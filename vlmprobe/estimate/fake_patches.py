@@ -20,11 +20,23 @@ def real_run_answers_for_fake_batches():
     reports a packed batch, and the model materialises a (B, 1, L, L) mask and repeats K/V for SDPA, which a
     real run of the same batch skips. Synthetic batches hold one unpadded sequence per sample, so the real
     answer is "not packed" (None); the ops a real run makes to decide are still made, so allocations match.
+
+    The same for a bidirectional (vision tower) padding mask: `_ignore_bidirectional_mask_sdpa` skips the
+    mask where it is all ones, except for fake tensors, where the model would then materialise a (N, 1, P, P)
+    mask that a real run never makes. The mask is read as a real run reads it (`.all()`): a family whose
+    forward derives it from its inputs makes those inputs constant fakes (Idefics3's pixel_attention_mask),
+    so the read has the real answer; a non-constant one reads False (the tracker's answer), as before.
     """
     from torch._subclasses.fake_tensor import FakeTensor
     from transformers import masking_utils
 
     original = masking_utils.find_packed_sequence_indices
+    original_ignore = masking_utils._ignore_bidirectional_mask_sdpa
+
+    def ignore_bidirectional_mask_sdpa(padding_mask, kv_length, local_attention_size=None):
+        if isinstance(padding_mask, FakeTensor):
+            return bool(padding_mask.all()) and (local_attention_size is None or kv_length < local_attention_size)
+        return original_ignore(padding_mask, kv_length, local_attention_size)
 
     def find_packed_sequence_indices(position_ids):
         packed = original(position_ids)
@@ -34,10 +46,12 @@ def real_run_answers_for_fake_batches():
         return packed
 
     masking_utils.find_packed_sequence_indices = find_packed_sequence_indices
+    masking_utils._ignore_bidirectional_mask_sdpa = ignore_bidirectional_mask_sdpa
     try:
         yield
     finally:
         masking_utils.find_packed_sequence_indices = original
+        masking_utils._ignore_bidirectional_mask_sdpa = original_ignore
 
 
 @contextlib.contextmanager

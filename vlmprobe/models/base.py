@@ -74,10 +74,14 @@ class ModelSpec(abc.ABC):
     def batch(self, data: DataShape, device: torch.device) -> dict:
         """Forward kwargs (with labels) for one synthetic micro batch: shapes decide memory, content does not."""
 
-    @abc.abstractmethod
     def loss(self, model: nn.Module, batch: dict) -> tuple[torch.Tensor, object]:
         """(loss, outputs) of `batch`, as the family's own training code computes them; `outputs` is what the
-        model returned (logits), which a training loop may keep alive (measure.hold_outputs)."""
+        model returned (logits), which a training loop may keep alive (measure.hold_outputs). Here the
+        transformers model's own loss (`labels=` -> outputs.loss: logits upcast to fp32, shifted cross-entropy,
+        mean over labels); attention_mask is None: every sample fills lm_max_length, and a mask would make
+        transformers build a (B, 1, L, L) tensor for fake tensors that a CUDA run without padding never makes."""
+        outputs = model(**batch, attention_mask=None, use_cache=False)
+        return outputs.loss, outputs
 
     def build(self, device: torch.device | str, dtype: torch.dtype, *, init: bool = True) -> nn.Module:
         """The model with random weights, created directly on `device` in `dtype`.
@@ -95,6 +99,21 @@ class ModelSpec(abc.ABC):
                 for p in model.parameters():
                     p.normal_(0.0, 0.02)
         return model
+
+
+IGNORE_INDEX = -100  # labels the loss skips (the prompt: image tokens and their markers)
+
+
+def filler_text(n: int, vocab: int) -> list[int]:
+    """`n` ordinary text token ids below `vocab` (a sample's text: its content does not change memory)."""
+    return [(17 * i + 3) % vocab for i in range(n)]
+
+
+def prompt_then_text(prompt: list[int], length: int, vocab: int) -> tuple[list[int], list[int]]:
+    """input_ids and labels of one sample of `length` tokens: the `prompt` (start token, images and their
+    markers; not learned, -100) and text up to the length (learned)."""
+    text = filler_text(length - len(prompt), vocab)
+    return prompt + text, [IGNORE_INDEX] * len(prompt) + text
 
 
 @contextlib.contextmanager

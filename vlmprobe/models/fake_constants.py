@@ -1,17 +1,18 @@
-"""Integer inputs whose values a forward reads, made so that fake tensors can answer those reads.
+"""Inputs whose values a forward reads, made so that fake tensors can answer those reads.
 
-Several VLM forwards read values of small integer tensors (Qwen's image_grid_thw.tolist() and cu_seqlens
-split sizes, the image-token count check of get_placeholder_mask in Qwen and LLaVA). FakeTensorMode (the
-estimate backend runs batch() and loss() inside it) can answer those only for *constant* fake tensors
-(fakes that keep their real values), and it propagates constants only through ops whose outputs have at
-most CONSTANT_NUMEL_LIMIT (= 1) elements. A family's batch() therefore raises that limit to the batch's
-token count for as long as the batch lives (`hold_constant_limit`) and makes its integer inputs with
-`constant_ints` -- torch.tensor of Python data, which under the mode gives constant fakes and on real
-backends ordinary tensors -- so every integer tensor derived from them in the forward (and in checkpointed
-recomputation) stays constant and the model runs unchanged. Constants are only these integer inputs, what
-is derived from them (masks, counts, cu_seqlens) and Python scalars; every activation derives from
-non-constant fakes, so no large real tensor is made. A constant is still charged by the tracker at its
-size, as CUDA would allocate it.
+Several VLM forwards read values of their inputs (Qwen's image_grid_thw.tolist() and cu_seqlens split
+sizes, the image-token count check of get_placeholder_mask in Qwen, LLaVA, Gemma 3 and InternVL, Idefics3's
+search for all-zero padding images in pixel_values and its pixel mask). FakeTensorMode (the estimate backend
+runs batch() and loss() inside it) can answer those only for *constant* fake tensors (fakes that keep their
+real values), and it propagates constants only through ops whose outputs have at most CONSTANT_NUMEL_LIMIT
+(= 1) elements. A family's batch() therefore raises that limit to the largest such input (the batch's token
+count; Idefics3's pixel_values) for as long as the batch lives (`hold_constant_limit`) and makes those inputs
+with `constant_tensor` -- torch.tensor of Python data or a numpy array, which under the mode gives constant
+fakes and on real backends ordinary tensors -- so every tensor derived from them alone in the forward (and in
+checkpointed recomputation) stays constant and the model runs unchanged. Constants are only these inputs,
+what is derived from them (masks, counts, cu_seqlens, Idefics3's unpadded pixel_values) and Python scalars;
+every activation derives from parameters, non-constant fakes, so no activation is computed for real. A
+constant is still charged by the tracker at its size, as CUDA would allocate it.
 
 Private torch API used: `torch._subclasses.fake_tensor.CONSTANT_NUMEL_LIMIT` (module global read by
 FakeTensorMode.may_turn_const at each op; present with the same meaning in torch 2.11-2.13), raised only
@@ -57,8 +58,9 @@ def release_with(tensor: torch.Tensor, release: Callable[[], None]) -> None:
     weakref.finalize(tensor, release)
 
 
-def constant_ints(values, device: torch.device, dtype: torch.dtype = torch.long) -> torch.Tensor:
-    """An integer tensor of Python data: a constant fake under FakeTensorMode. torch.tensor's own storage
+def constant_tensor(values, device: torch.device, dtype: torch.dtype = torch.long) -> torch.Tensor:
+    """A tensor of Python data or a numpy array (integers, or Idefics3's pixel values, which its forward
+    reads to drop all-zero padding images): a constant fake under FakeTensorMode. torch.tensor's own storage
     never passes the tracker (made without a dispatched allocation; the tracker skips fake mode's
     lift_fresh), but a collator's batch lives on the GPU: the clone allocates it through a dispatched op on
     every backend (and stays constant: clone of a constant is constant, within the held limit)."""

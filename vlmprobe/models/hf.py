@@ -22,11 +22,17 @@ HUB_NAME = re.compile(r"^[\w.-]+/[\w.-]+$")
 
 def families() -> dict:
     """model_type -> family spec class (imported here: each module imports only what it needs)."""
+    from vlmprobe.models.gemma3 import Gemma3Spec
+    from vlmprobe.models.idefics3 import Idefics3Spec, SmolVLMSpec
+    from vlmprobe.models.internvl import InternVLSpec
     from vlmprobe.models.llava import LlavaSpec
+    from vlmprobe.models.mllama import MllamaSpec
     from vlmprobe.models.qwen2_5_vl import Qwen2_5_VLSpec
     from vlmprobe.models.qwen2_vl import Qwen2VLSpec
 
-    return {"qwen2_vl": Qwen2VLSpec, "qwen2_5_vl": Qwen2_5_VLSpec, "llava": LlavaSpec}
+    return {"qwen2_vl": Qwen2VLSpec, "qwen2_5_vl": Qwen2_5_VLSpec, "llava": LlavaSpec, "idefics3": Idefics3Spec,
+            "smolvlm": SmolVLMSpec, "gemma3": Gemma3Spec,
+            "mllama": MllamaSpec, "internvl": InternVLSpec}
 
 
 def spec_from_config(config: str | None, name: str | None = None, attn_implementation: str = "sdpa") -> ModelSpec:

@@ -24,10 +24,9 @@ import torch
 from torch import nn
 
 from vlmprobe.errors import ConfigError
-from vlmprobe.models.base import DataShape, ModelSpec, hyperparameters
-from vlmprobe.models.fake_constants import constant_ints, hold_constant_limit, release_with
+from vlmprobe.models.base import DataShape, ModelSpec, hyperparameters, prompt_then_text
+from vlmprobe.models.fake_constants import constant_tensor, hold_constant_limit, release_with
 
-IGNORE_INDEX = -100
 # Vision towers whose output sequence we know: patch tokens plus this many class tokens
 CLASS_TOKENS = {"clip_vision_model": 1, "siglip_vision_model": 0}
 STRATEGIES = ("default", "full")  # "default" drops the first token of the selected hidden states
@@ -124,12 +123,9 @@ class LlavaSpec(ModelSpec):
     # -- inputs ---------------------------------------------------------------------------------------
     def _sample(self, data: DataShape) -> tuple[list[int], list[int]]:
         """input_ids and labels of one sample."""
-        bos = self.text.get("bos_token_id", 1)
-        image = [self.image_token_id] * self.image_tokens(data)
-        n_text = data.lm_max_length - 1 - len(image)
-        text_vocab = min(self.image_token_id, self.text["vocab_size"])  # ordinary text ids lie below <image>
-        text = [(17 * i + 3) % text_vocab for i in range(n_text)]  # content does not change memory
-        return [bos, *image, *text], [IGNORE_INDEX] * (1 + len(image)) + text
+        prompt = [self.text.get("bos_token_id", 1)] + [self.image_token_id] * self.image_tokens(data)
+        # ordinary text ids lie below <image>
+        return prompt_then_text(prompt, data.lm_max_length, min(self.image_token_id, self.text["vocab_size"]))
 
     def batch(self, data: DataShape, device: torch.device) -> dict:
         self.validate(data)
@@ -137,14 +133,11 @@ class LlavaSpec(ModelSpec):
         b, size = data.batch_size, self.native_image_size
         release = hold_constant_limit(b * data.lm_max_length)  # the forward counts image tokens in input_ids
         batch = {
-            "input_ids": constant_ints([input_ids] * b, device),
-            "labels": constant_ints([labels] * b, device),
+            "input_ids": constant_tensor([input_ids] * b, device),
+            "labels": constant_tensor([labels] * b, device),
             "pixel_values": torch.randn(b * data.images_per_sample, self.vision.get("num_channels", 3), size, size,
                                         dtype=torch.float32, device=device),
         }
         release_with(batch["input_ids"], release)
         return batch
 
-    def loss(self, model: nn.Module, batch: dict):
-        outputs = model(**batch, attention_mask=None, use_cache=False)  # LlavaCausalLMOutputWithPast (loss, logits)
-        return outputs.loss, outputs

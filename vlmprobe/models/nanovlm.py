@@ -27,9 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from vlmprobe.errors import ConfigError
-from vlmprobe.models.base import DataShape, ModelSpec
-
-IGNORE_INDEX = -100
+from vlmprobe.models.base import IGNORE_INDEX, DataShape, ModelSpec
 ATTENTION = ("sdpa", "eager")
 
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from vlmprobe.models.fake_constants import constant_ints
+from vlmprobe.models.fake_constants import constant_tensor
 from vlmprobe.models.qwen2_vl import Qwen2VLSpec
 
 
@@ -57,5 +57,5 @@ class Qwen2_5_VLSpec(Qwen2VLSpec):
         order, bounds = window_index(grids, self.vision["spatial_merge_size"], self.vision["window_size"],
                                      self.vision["patch_size"])
         # dtypes as transformers makes them: int64 (an arange) and int32
-        return {"image_window_index": constant_ints(order, device),
-                "image_cu_window_seqlens": constant_ints(bounds, device, torch.int32)}
+        return {"image_window_index": constant_tensor(order, device),
+                "image_cu_window_seqlens": constant_tensor(bounds, device, torch.int32)}

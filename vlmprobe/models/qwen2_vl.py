@@ -39,10 +39,9 @@ import torch
 from torch import nn
 
 from vlmprobe.errors import ConfigError
-from vlmprobe.models.base import DataShape, ModelSpec, hyperparameters
-from vlmprobe.models.fake_constants import constant_ints, hold_constant_limit, release_with
+from vlmprobe.models.base import IGNORE_INDEX, DataShape, ModelSpec, filler_text, hyperparameters
+from vlmprobe.models.fake_constants import constant_tensor, hold_constant_limit, release_with
 
-IGNORE_INDEX = -100
 
 
 def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixels: int) -> tuple[int, int]:
@@ -218,7 +217,7 @@ class Qwen2VLSpec(ModelSpec):
             types += [0] + [1] * per_image + [0]
             layout += [("text", 1), ("image", (rows, cols)), ("text", 1)]
         n_text = data.lm_max_length - len(input_ids)
-        input_ids += [(17 * i + 3) % text_vocab for i in range(n_text)]  # content does not change memory
+        input_ids += filler_text(n_text, text_vocab)
         types += [0] * n_text
         layout.append(("text", n_text))
         labels = [IGNORE_INDEX if t or i in (ids["vision_start_token_id"], ids["vision_end_token_id"]) else i
@@ -238,20 +237,17 @@ class Qwen2VLSpec(ModelSpec):
         # backward when activation checkpointing recomputes vision blocks (cu_seqlens split sizes).
         release = hold_constant_limit(b * data.lm_max_length)
         batch = {
-            "input_ids": constant_ints([input_ids] * b, device),
-            "labels": constant_ints([labels] * b, device),
-            "mm_token_type_ids": constant_ints([types] * b, device),
-            "position_ids": constant_ints([[row] * b for row in positions], device),  # (3, B, L)
-            "image_grid_thw": constant_ints([[1, rows, cols]] * n_images, device),
+            "input_ids": constant_tensor([input_ids] * b, device),
+            "labels": constant_tensor([labels] * b, device),
+            "mm_token_type_ids": constant_tensor([types] * b, device),
+            "position_ids": constant_tensor([[row] * b for row in positions], device),  # (3, B, L)
+            "image_grid_thw": constant_tensor([[1, rows, cols]] * n_images, device),
             "pixel_values": torch.randn(n_images * rows * cols, patch_values, dtype=torch.float32, device=device),
             **self.vision_inputs([(rows, cols)] * n_images, device),
         }
         release_with(batch["input_ids"], release)
         return batch
 
-    def loss(self, model: nn.Module, batch: dict):
-        outputs = model(**batch, attention_mask=None, use_cache=False)  # CausalLMOutputWithPast (loss, logits)
-        return outputs.loss, outputs
 
 
 def pixel_bounds_of(preprocessor: dict) -> tuple[int, int]:

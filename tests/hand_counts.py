@@ -1,0 +1,19 @@
+"""Parameter counts by hand from a config's numbers (no transformers), shared by the families' tests."""
+
+
+def llama_params(t: dict) -> int:
+    """A Llama LM without its head: embedding, per layer q/k/v/o and a SwiGLU MLP without bias and two
+    RMSNorms, the final norm."""
+    d, f, head = t["hidden_size"], t["intermediate_size"], t["head_dim"]
+    layer = d * t["num_attention_heads"] * head * 2 + 2 * d * t["num_key_value_heads"] * head + 3 * d * f + 2 * d
+    return t["vocab_size"] * d + t["num_hidden_layers"] * layer + d
+
+
+def siglip_params(v: dict) -> int:
+    """A SigLIP vision transformer without pooling head (Idefics3's and Gemma 3's towers): Conv2d patch
+    embedding with bias, a position embedding per patch, per layer four attention Linears and two MLP Linears
+    with bias and two LayerNorms, the post-LayerNorm."""
+    d, f, side = v["hidden_size"], v["intermediate_size"], v["image_size"] // v["patch_size"]
+    embeddings = v["num_channels"] * v["patch_size"] ** 2 * d + d + side**2 * d
+    layer = 4 * (d * d + d) + (d * f + f) + (f * d + d) + 2 * 2 * d
+    return embeddings + v["num_hidden_layers"] * layer + 2 * d

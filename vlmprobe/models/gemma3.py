@@ -1,0 +1,132 @@
+"""Gemma 3 (4B and up): transformers' Gemma3ForConditionalGeneration with random weights -- a SigLIP vision
+tower without pooling head (`vision_tower`), a projector (`multi_modal_projector`: average pooling of the
+patch grid down to `mm_tokens_per_image`, an RMSNorm and one matrix) and the Gemma 3 LM (5 sliding-window
+layers to 1 global one, tied head).
+
+Images (Gemma3ImageProcessor as Gemma 3 configures it): every image is resized to the tower's image_size
+(896 x 896 px) whatever its size; pan-and-scan (extra crops of a long image) is off by default and never
+acts on a square image (it needs an aspect ratio of at least 1.2), so the model sees 896 px only:
+pixel_values (n_images, 3, 896, 896) float32. The tower's (896 / 14)^2 = 4096 patches are pooled 4 x 4 to
+256 image tokens. Gemma3Processor writes each image as "\\n\\n<start_of_image>", 256 <image_soft_token>,
+"<end_of_image>\\n\\n" (the "\\n\\n" is one token in Gemma's vocabulary: 260 tokens per image).
+
+The batch is what a training collator hands the model: input_ids, labels (-100 at the image's tokens),
+pixel_values and token_type_ids (1 at the image tokens, as the processor returns them): with them the LM's
+mask lets an image's tokens attend to each other both ways, a (B, 1, L, L) mask for the global layers and
+one for the sliding-window layers, which a training step builds on CUDA too. attention_mask is None (every
+sample fills the length). Under fake tensors the forward reads input_ids and token_type_ids: both are
+constant fakes (models/fake_constants.py).
+
+Towers: vision = `vision_tower`; lm = `language_model` + `lm_head` (tied to the embedding); the projector
+belongs to neither.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from vlmprobe.errors import ConfigError
+from vlmprobe.models.base import DataShape, ModelSpec, hyperparameters, prompt_then_text
+from vlmprobe.models.fake_constants import constant_tensor, hold_constant_limit, release_with
+
+NEWLINES = 1  # "\n\n" before <start_of_image> and after <end_of_image>: one token each in Gemma's vocabulary
+
+
+class Gemma3Spec(ModelSpec):
+    """Hydra target for conf/model/gemma3_*.yaml."""
+
+    def __init__(self, name: str, vision: dict, text: dict, mm_tokens_per_image: int, image_token_id: int,
+                 boi_token_id: int, eoi_token_id: int, tie_word_embeddings: bool, attn_implementation: str = "sdpa"):
+        self.name = name
+        self.vision = dict(vision)
+        self.text = dict(text)
+        self.mm_tokens_per_image = mm_tokens_per_image
+        self.image_token_id = image_token_id
+        self.boi_token_id = boi_token_id
+        self.eoi_token_id = eoi_token_id
+        self.tie_word_embeddings = tie_word_embeddings
+        self.attn_implementation = attn_implementation
+        self.native_image_size = vision["image_size"]  # the size the processor resizes every image to
+
+    @classmethod
+    def from_hf_config(cls, raw: dict, *, name: str, attn_implementation: str, preprocessor: dict | None):
+        """The spec of a Gemma 3 config.json (`raw`), read through transformers' Gemma3Config (legacy rope keys
+        and left-out sub-config fields as from_pretrained reads them). preprocessor_config.json is not needed:
+        the processor resizes to the tower's image_size."""
+        from transformers import Gemma3Config
+
+        config = Gemma3Config(**raw)
+        return cls(name=name, vision=hyperparameters(config.vision_config), text=hyperparameters(config.text_config),
+                   mm_tokens_per_image=config.mm_tokens_per_image, image_token_id=config.image_token_id,
+                   boi_token_id=config.boi_token_id, eoi_token_id=config.eoi_token_id,
+                   tie_word_embeddings=config.tie_word_embeddings, attn_implementation=attn_implementation)
+
+    # -- image geometry -------------------------------------------------------------------------------
+    def image_tokens(self, data: DataShape) -> int:
+        size = self.image_size(data)
+        if size != self.native_image_size:
+            raise ConfigError(
+                f"data.image_size={size} is not allowed for {self.name}: Gemma3ImageProcessor resizes every image to "
+                f"{self.native_image_size} x {self.native_image_size} px (pan-and-scan, off by default, crops only "
+                f"images longer than wide), so the model's memory is that of {self.native_image_size} px; use "
+                f"{self.native_image_size} or null")
+        return data.images_per_sample * self.mm_tokens_per_image
+
+    def _image_text(self) -> list[int]:
+        """Token ids of one image as Gemma3Processor writes it; the newline ids are text (their value does not
+        change memory)."""
+        newline = [self.text.get("pad_token_id", 0)] * NEWLINES
+        return [*newline, self.boi_token_id, *[self.image_token_id] * self.mm_tokens_per_image, self.eoi_token_id,
+                *newline]
+
+    def validate(self, data: DataShape) -> None:
+        tokens = self.image_tokens(data)
+        needed = data.images_per_sample * len(self._image_text()) + 2  # + <bos> and at least one text token
+        if data.lm_max_length < needed:
+            raise ConfigError(
+                f"data.lm_max_length={data.lm_max_length} is too short for {self.name}: the images take "
+                f"{tokens} tokens plus 4 markers each and <bos>, so it must be at least {needed}")
+
+    # -- model ----------------------------------------------------------------------------------------
+    def config(self):
+        from transformers import Gemma3Config
+
+        return Gemma3Config(vision_config=dict(self.vision), text_config={**self.text, "use_cache": False},
+                            mm_tokens_per_image=self.mm_tokens_per_image, image_token_index=self.image_token_id,
+                            boi_token_index=self.boi_token_id, eoi_token_index=self.eoi_token_id,
+                            tie_word_embeddings=self.tie_word_embeddings, attn_implementation=self.attn_implementation)
+
+    def _construct(self) -> nn.Module:
+        from transformers import Gemma3ForConditionalGeneration
+
+        model = Gemma3ForConditionalGeneration(self.config())
+        model.tie_weights()  # post_init does not tie under no_init_weights
+        return model
+
+    def towers(self, model: nn.Module) -> dict[str, list[nn.Module]]:
+        return {"vision": [model.model.vision_tower], "lm": [model.model.language_model, model.lm_head]}
+
+    # -- inputs ---------------------------------------------------------------------------------------
+    def _sample(self, data: DataShape) -> tuple[list[int], list[int]]:
+        """input_ids and labels of one sample: <bos>, the images, then text."""
+        prompt = [self.text.get("bos_token_id", 2)] + self._image_text() * data.images_per_sample
+        # ordinary text ids lie below the image markers
+        return prompt_then_text(prompt, data.lm_max_length,
+                                min(self.boi_token_id, self.image_token_id, self.text["vocab_size"]))
+
+    def batch(self, data: DataShape, device: torch.device) -> dict:
+        self.validate(data)
+        input_ids, labels = self._sample(data)
+        b, size = data.batch_size, self.native_image_size
+        release = hold_constant_limit(b * data.lm_max_length)  # the forward reads input_ids and token_type_ids
+        batch = {
+            "input_ids": constant_tensor([input_ids] * b, device),
+            "labels": constant_tensor([labels] * b, device),
+            "token_type_ids": constant_tensor([[int(i == self.image_token_id) for i in input_ids]] * b, device),
+            "pixel_values": torch.randn(b * data.images_per_sample, self.vision.get("num_channels", 3), size, size,
+                                        dtype=torch.float32, device=device),
+        }
+        release_with(batch["input_ids"], release)
+        return batch
+
