@@ -80,6 +80,22 @@ def add_lora(modules: list[nn.Module], train: dict) -> None:
 
 
 @contextlib.contextmanager
+def adapters_disabled(model: nn.Module):
+    """The model without its LoRA adapters (peft's disable_adapter, what TRL's GRPO reference is with a PEFT
+    policy); a no-op for a model without adapters."""
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    layers = [m for m in model.modules() if isinstance(m, BaseTunerLayer)]
+    for layer in layers:
+        layer.enable_adapters(False)
+    try:
+        yield
+    finally:
+        for layer in layers:
+            layer.enable_adapters(True)
+
+
+@contextlib.contextmanager
 def fake_modules_move_by_data():
     """peft moves each new adapter to its base layer with Module.to, which fake modules cannot take: torch
     swaps a fake parameter's tensor, and every fake Parameter carries a weakref that forbids the swap. While
