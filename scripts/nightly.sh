@@ -12,6 +12,8 @@
 #   VLMPROBE_BASELINES        baseline root (default results/baseline): ROOT/<device>/<sweep>/ is a results dir,
 #                             <device> = env.json's device_name slugified (vlmprobe.compare.device_slug)
 #   VLMPROBE_TOLERANCE        largest allowed growth of a peak (default 0.02)
+#   VLMPROBE_LAUNCHER         launcher of both sweeps (default: pool on cuda, a worker pinned to each GPU of the
+#                             runner; local otherwise, where the points of these small sweeps run in the sweep process)
 #   VLMPROBE_EXTRA_ARGS       Hydra overrides for both sweeps, e.g. measure.alloc_conf=expandable_segments:True
 #   VLMPROBE_SEQ_LEN_ARGS     Hydra overrides for the seq_len sweep only
 #   VLMPROBE_IMAGE_SIZE_ARGS  Hydra overrides for the image-size sweep only (tests shrink it with these)
@@ -24,6 +26,7 @@ BACKEND=${VLMPROBE_BACKEND:-cuda}
 ROOT=${VLMPROBE_RESULTS:-results/nightly}
 BASELINES=${VLMPROBE_BASELINES:-results/baseline}
 TOLERANCE=${VLMPROBE_TOLERANCE:-0.02}
+if [ "$BACKEND" = cuda ]; then LAUNCHER=${VLMPROBE_LAUNCHER:-pool}; else LAUNCHER=${VLMPROBE_LAUNCHER:-local}; fi
 read -r -a EXTRA <<< "${VLMPROBE_EXTRA_ARGS:-}"
 read -r -a SEQ_LEN <<< "${VLMPROBE_SEQ_LEN_ARGS:-}"
 read -r -a IMAGE_SIZE <<< "${VLMPROBE_IMAGE_SIZE_ARGS:-}"
@@ -41,8 +44,9 @@ run_sweep() {
   DIR=""
   local before
   before=$(LC_ALL=C ls -d "$ROOT/$sweep"/*/ 2>/dev/null)  # C: the sort order comm expects
-  echo "nightly: sweep $sweep (backend $BACKEND)" >&2
-  python -m vlmprobe "+sweep=$sweep" "results_dir=$ROOT" "measure.backend=$BACKEND" "${EXTRA[@]}" "$@" ||
+  echo "nightly: sweep $sweep (backend $BACKEND, launcher $LAUNCHER)" >&2
+  python -m vlmprobe "+sweep=$sweep" "results_dir=$ROOT" "measure.backend=$BACKEND" "launcher=$LAUNCHER" \
+    "${EXTRA[@]}" "$@" ||
     fail "sweep $sweep (python -m vlmprobe exited $?)"
   # the new dir is the one that was not there before (timestamped names: a rerun never reuses one)
   DIR=$(LC_ALL=C comm -13 <(echo "$before") <(LC_ALL=C ls -d "$ROOT/$sweep"/*/ 2>/dev/null) | tail -n 1)

@@ -9,7 +9,7 @@ import random
 import pytest
 import torch
 
-from vlmprobe.allocator import CachingAllocatorModel, get_allocation_size, round_size
+from vlmprobe.estimate.allocator import CachingAllocatorModel, get_allocation_size, round_size
 
 KiB = 1024
 MiB = 1024 * 1024

@@ -45,7 +45,7 @@ def test_every_group_option_composes_and_instantiates(compose, group, option):
     if group == "device":  # through its _target_, as a point builds it; the file's name is the row's `device`
         from omegaconf import OmegaConf
 
-        from vlmprobe import device_profile
+        from vlmprobe.estimate import device_profile
 
         card = device_profile.from_config(OmegaConf.to_container(cfg.device, resolve=True))
         assert card is None if option == "none" else (card.key == option and card.total_memory > 0)
@@ -55,6 +55,8 @@ def test_every_group_option_composes_and_instantiates(compose, group, option):
         from vlmprobe import launchers
 
         launcher = OmegaConf.to_container(cfg.launcher, resolve=True)
+        if option == "submitit":  # its default cluster, slurm, is refused off a SLURM cluster (test_bad_input)
+            launcher["cluster"] = "local"
         launchers.check(launcher, "estimate")
         assert launcher["name"] == option and (option == "local" or launchers.jobs(launcher) >= 1)
     if group == "optimizer":

@@ -5,7 +5,7 @@ import pandas as pd
 import pytest
 
 from conftest import CONF
-from vlmprobe import device_profile
+from vlmprobe.estimate import device_profile
 from vlmprobe.errors import ConfigError
 
 MiB, GiB = 2**20, 2**30
@@ -162,7 +162,7 @@ def test_device_memory_below_the_card_is_the_capacity_the_point_runs_against(poi
 
 
 def test_the_prediction_is_the_allocator_models_peak_reserved_plus_workspaces_and_context(point, monkeypatch):
-    from vlmprobe.backends.tracked import TrackerMeter
+    from vlmprobe.estimate.tracked import TrackerMeter
     from vlmprobe.worker import measure
 
     reserved = []
@@ -176,8 +176,8 @@ def test_the_prediction_is_the_allocator_models_peak_reserved_plus_workspaces_an
 
 
 def test_the_reserved_peak_survives_the_phase_resets():
-    from vlmprobe.backends.tracked import TrackerMeter
-    from vlmprobe.tracker import LiveBytesTracker
+    from vlmprobe.estimate.tracked import TrackerMeter
+    from vlmprobe.estimate.tracker import LiveBytesTracker
 
     meter = TrackerMeter(LiveBytesTracker(), None)
     allocator = meter.tracker.allocator

@@ -1,5 +1,6 @@
-"""Launchers (`launcher=local|pool`): pool runs points at once in worker processes and gives the rows local
-gives; a failed point is a row; a distributed point runs in the sweep process; Ctrl-C ends every worker,
+"""Launchers (`launcher=local|pool|submitit`): pool runs points at once in worker processes and gives the rows
+local gives, one GPU per worker on cuda; submitit jobs give them too and a killed job loses no finished point;
+a failed point is a row; a distributed point runs in the sweep process; Ctrl-C ends every worker,
 keeps every finished row, says so in one line, and the printed command resumes the sweep to its end."""
 
 import os
@@ -118,13 +119,84 @@ def test_killing_the_children_ends_those_running_and_any_started_after():
     assert child.run(["sleep", "60"], None, None, None, children)[0] == -signal.SIGKILL  # started after kill()
 
 
-def test_pool_jobs_default_to_the_usable_cores_and_cuda_is_refused():
+def test_pool_jobs_default_to_the_usable_cores_or_one_per_visible_gpu(monkeypatch):
+    from vlmprobe.backends import cuda
+
     assert launchers.jobs({"name": "pool", "jobs": None}) == len(os.sched_getaffinity(0))
     assert launchers.jobs({"name": "pool", "jobs": 3}) == 3
     launchers.check({"name": "pool", "jobs": None}, "estimate")
-    launchers.check({"name": "local"}, "cuda")
-    with pytest.raises(ConfigError, match=r"^launcher=pool is not allowed with backend cuda yet: pinning each worker"):
-        launchers.check({"name": "pool", "jobs": 2}, "cuda")
+    monkeypatch.setattr(cuda, "device_count", lambda: 2)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "GPU-aa,GPU-bb")  # a worker is pinned by the names the user gave
+    assert launchers.visible_gpus() == ["GPU-aa", "GPU-bb"]
+    assert launchers.jobs({"name": "pool", "jobs": None}, "cuda") == 2
+    launchers.check({"name": "pool", "jobs": 2}, "cuda")
+    with pytest.raises(ConfigError, match=r"^launcher.jobs=3 is not allowed with backend cuda: each worker needs a GPU "
+                                          r"of its own and 2 are visible \(GPU-aa,GPU-bb\)"):
+        launchers.check({"name": "pool", "jobs": 3}, "cuda")
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
+    assert launchers.visible_gpus() == ["0", "1"]
+    monkeypatch.setattr(cuda, "device_count", lambda: 0)
+    with pytest.raises(ConfigError, match=r"^launcher=pool is not allowed with backend cuda here: no CUDA GPU"):
+        launchers.check({"name": "pool", "jobs": None}, "cuda")
+
+
+def test_pool_on_cuda_pins_each_running_worker_to_a_gpu_no_other_worker_holds(monkeypatch):
+    from types import SimpleNamespace
+
+    from vlmprobe import sweep
+
+    lock, holding, seen = threading.Lock(), set(), []
+
+    def call_worker(config, env, timeout, children):  # stands in for a worker process: holds its GPU a while
+        gpu = env["CUDA_VISIBLE_DEVICES"]
+        with lock:
+            assert gpu not in holding, f"GPU {gpu} given to two workers at once"
+            holding.add(gpu)
+            seen.append(gpu)
+        time.sleep(0.05)
+        with lock:
+            holding.discard(gpu)
+        return {"status": "ok"}
+
+    monkeypatch.setattr(sweep, "call_worker", call_worker)
+    items = [SimpleNamespace(config={"measure": {"timeout_s": 10, "alloc_conf": None}}, point=SimpleNamespace(id=str(i)))
+             for i in range(8)]
+    recorded = []
+    runner = SimpleNamespace(with_snapshot_file=lambda item: item.config,
+                             record=lambda item, out: recorded.append(item.point.id))
+    bar = SimpleNamespace(update=lambda n: None, set_postfix_str=lambda s: None)
+    launchers._run_pool(items, runner, 2, bar, ["3", "5"])
+    assert sorted(recorded) == [str(i) for i in range(8)] and set(seen) == {"3", "5"} and len(seen) == 8
+
+
+def test_submitit_jobs_give_the_rows_local_gives_and_a_killed_job_keeps_its_finished_points(tmp_path, monkeypatch,
+                                                                                             capsys):
+    # Two points in one job of submitit's local executor: the tiny model, then one whose batch kills the job's
+    # process (SIGSEGV). The first point's row comes from the job's progress file; the second is a crash row.
+    point = [*SMOKE, "sweep.axes.data.batch_size=[1]", "sweep.axes.data.lm_max_length=[32]"]
+    jobs = ["launcher=submitit", "launcher.cluster=local", "launcher.parameters.gpus_per_node=0",
+            "launcher.points_per_job=2", "launcher.poll_s=0.2",
+            "+sweep.axes.model._target_=[vlmprobe.models.nanovlm.NanoVLMSpec,faulty_models.CrashingSpec]"]
+    proc = run_cli([*point, *jobs, f"results_dir={tmp_path / 'jobs'}"], cwd=tmp_path,
+                   env_extra={"PYTHONPATH": f"{REPO}:{REPO / 'tests'}"})
+    assert proc.returncode == 0, proc.stderr
+    rows = table(results_dir(tmp_path / "jobs")).set_index("model._target_")
+    crashed = rows.loc["faulty_models.CrashingSpec"]
+    assert crashed["status"] == "crash" and "ended before this point finished" in crashed["error"]
+    monkeypatch.chdir(tmp_path)
+    assert main([*point, f"results_dir={tmp_path / 'local'}"]) == 0  # launcher=local, in this process
+    capsys.readouterr()
+    local = table(results_dir(tmp_path / "local")).drop(columns=["point_id"]).iloc[0]
+    ran = rows.loc["vlmprobe.models.nanovlm.NanoVLMSpec"].drop(["point_id"])
+    assert ran["status"] == "ok"
+    pd.testing.assert_series_equal(ran[local.index].rename(None), local.rename(None), check_dtype=False)
+
+
+def test_submitit_without_its_package_says_how_to_install_it(monkeypatch, tmp_path):
+    monkeypatch.setitem(sys.modules, "submitit", None)  # import submitit now raises ImportError
+    with pytest.raises(ConfigError, match=r"^launcher=submitit is not allowed here: the submitit package is not "
+                                          r"installed; install it with `pip install submitit`"):
+        launchers.check({"name": "submitit", "cluster": "local", "points_per_job": 1, "parameters": {}}, "estimate")
 
 
 def test_a_sweep_may_be_resumed_under_another_launcher(tmp_path):

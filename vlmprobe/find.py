@@ -18,7 +18,7 @@ from pathlib import Path
 import pandas as pd
 from tqdm import tqdm
 
-from vlmprobe import device_profile
+from vlmprobe.estimate import device_profile
 from vlmprobe.errors import ConfigError
 from vlmprobe.grid import Point
 from vlmprobe.plan import grid_points, plan_point

@@ -11,6 +11,7 @@ import contextlib
 from torch import nn
 
 from vlmprobe.errors import ConfigError
+from vlmprobe.estimate.fake_patches import fake_modules_move_by_data
 
 
 def apply_knobs(spec, model: nn.Module, train: dict) -> None:
@@ -93,34 +94,6 @@ def adapters_disabled(model: nn.Module):
     finally:
         for layer in layers:
             layer.enable_adapters(True)
-
-
-@contextlib.contextmanager
-def fake_modules_move_by_data():
-    """peft moves each new adapter to its base layer with Module.to, which fake modules cannot take: torch
-    swaps a fake parameter's tensor, and every fake Parameter carries a weakref that forbids the swap. While
-    active, Module.to on a module holding fake tensors converts their dtype through `.data` (what Module.to
-    does for real tensors) and leaves the device (fake tensors all live on the CPU)."""
-    import torch
-    from torch._subclasses.fake_tensor import FakeTensor
-
-    to = nn.Module.to
-
-    def to_by_data(self, *args, **kwargs):
-        tensors = [*self.parameters(), *self.buffers()]
-        if not any(isinstance(t, FakeTensor) for t in tensors):
-            return to(self, *args, **kwargs)
-        _, dtype, _, _ = torch._C._nn._parse_to(*args, **kwargs)
-        for t in tensors:
-            if dtype is not None and t.is_floating_point() and t.dtype != dtype:
-                t.data = t.data.to(dtype)
-        return self
-
-    nn.Module.to = to_by_data
-    try:
-        yield
-    finally:
-        nn.Module.to = to
 
 
 def validate_knobs(train: dict) -> None:

@@ -6,19 +6,32 @@ the same thing under every one; only the order of the rows differs.
 - pool: up to launcher.jobs points at once, each in a fresh `python -m vlmprobe.worker` (the protocol, the
   timeout and the failed rows of vlmprobe.sweep.call_worker). The threads here only wait on their worker;
   rows are written by the main thread alone, which is also the only one a Ctrl-C reaches: it then kills
-  every running worker's process group and writes no row after it.
-  A distributed point (dist != none) runs its ranks' simulations itself (some in processes of their own),
-  so under pool it runs as under local: in this process, one at a time, once the pool's points are done.
+  every running worker's process group and writes no row after it. On cuda each worker is pinned to a GPU
+  of its own (CUDA_VISIBLE_DEVICES): two workers on one GPU would read each other's allocations into their
+  peaks.
+  A distributed point (dist != none) runs its ranks' simulations (or, on cuda, torchrun over the visible
+  GPUs) itself, so under pool it runs as under local: in this process, one at a time, once the pool's
+  points are done.
+- submitit: points run as jobs of a SLURM array through submitit (what Hydra's submitit launcher runs on);
+  each job runs launcher.points_per_job points one after another exactly as local runs them (vlmprobe.sweep
+  .run_point: a fresh worker per point on cuda). The job notes each point's outputs in a file as it
+  finishes, so a job killed half way (time limit, node lost, scancel) loses no finished point: the sweep
+  takes them from there, and the job's unfinished points become `crash` rows saying what happened.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import json
 import os
+import queue
+import tempfile
+import time
+from pathlib import Path
 
 from vlmprobe.errors import ConfigError
 
-NAMES = ("local", "pool")
+NAMES = ("local", "pool", "submitit")
 POLL_S = 0.5  # how often the main thread wakes while waiting on the pool (a Ctrl-C is handled at once anyway)
 
 
@@ -27,9 +40,21 @@ def usable_cores() -> int:
     return len(os.sched_getaffinity(0))
 
 
-def jobs(launcher: dict) -> int:
-    """How many points pool runs at once."""
-    return launcher["jobs"] if launcher.get("jobs") is not None else usable_cores()
+def visible_gpus() -> list[str]:
+    """The GPUs a pool worker can be pinned to, as CUDA_VISIBLE_DEVICES names them: the entries of this
+    process's own CUDA_VISIBLE_DEVICES (indices or UUIDs) where it is set, else the driver's indices."""
+    from vlmprobe.backends import cuda
+
+    count = cuda.device_count()
+    given = [g.strip() for g in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if g.strip()]
+    return given[:count] if given else [str(i) for i in range(count)]
+
+
+def jobs(launcher: dict, backend: str = "estimate") -> int:
+    """How many points pool runs at once: launcher.jobs, or one per core (estimate, cpu) or GPU (cuda)."""
+    if launcher.get("jobs") is not None:
+        return launcher["jobs"]
+    return len(visible_gpus()) if backend == "cuda" else usable_cores()
 
 
 def check(launcher: dict, backend: str) -> None:
@@ -37,17 +62,25 @@ def check(launcher: dict, backend: str) -> None:
     name = launcher.get("name")
     if name not in NAMES:
         raise ConfigError(f"launcher.name={name!r} is not allowed: use one of {', '.join(NAMES)}")
-    if name == "local":
-        return
+    if name == "pool":
+        check_pool(launcher, backend)
+    elif name == "submitit":
+        check_submitit(launcher)
+
+
+def check_pool(launcher: dict, backend: str) -> None:
     count = launcher.get("jobs")
     if count is not None and (not isinstance(count, int) or isinstance(count, bool) or count < 1):
         raise ConfigError(f"launcher.jobs={count!r} is not allowed: give an integer >= 1 (points run at once), or "
-                          f"null for the number of usable cores ({usable_cores()} here)")
+                          f"null for the number of usable cores ({usable_cores()} here) or, on cuda, of GPUs")
     if backend == "cuda":
-        # Two workers on one GPU would share its memory and each read the other's allocations into its
-        # peaks: pool on CUDA needs one GPU per worker (CUDA_VISIBLE_DEVICES), not built yet
-        raise ConfigError("launcher=pool is not allowed with backend cuda yet: pinning each worker to its own GPU "
-                          "is not built; use launcher=local (or measure.backend=estimate)")
+        gpus = visible_gpus()
+        if not gpus:
+            raise ConfigError("launcher=pool is not allowed with backend cuda here: no CUDA GPU is visible")
+        if count is not None and count > len(gpus):
+            raise ConfigError(f"launcher.jobs={count} is not allowed with backend cuda: each worker needs a GPU of "
+                              f"its own and {len(gpus)} are visible ({','.join(gpus)}); give at most {len(gpus)} "
+                              f"or null")
 
 
 def check_points(launcher: dict, configs: list[dict]) -> None:
@@ -60,27 +93,43 @@ def check_points(launcher: dict, configs: list[dict]) -> None:
 def run_points(todo: list, runner, launcher: dict, bar) -> None:
     """Run the planned points `todo` (none of them with a row yet) through `runner`, updating `bar` as each
     finishes."""
-    if launcher["name"] == "pool":
+    if launcher["name"] == "submitit":
+        _run_submitit([item for item in todo if not item.skip], runner, launcher, bar)
+    elif launcher["name"] == "pool":
         in_pool = [item for item in todo if not item.skip and item.config["dist"]["name"] == "none"]
-        _run_pool(in_pool, runner, jobs(launcher), bar)
-        todo = [item for item in todo if item.point.id not in runner.done]  # skipped and distributed points
+        backend = in_pool[0].config["measure"]["backend"] if in_pool else "estimate"
+        gpus = visible_gpus() if backend == "cuda" else None
+        _run_pool(in_pool, runner, jobs(launcher, backend), bar, gpus)
+    todo = [item for item in todo if item.point.id not in runner.done]  # skipped (and, under pool, distributed)
     for item in todo:
         bar.set_postfix_str(item.point.id)
         runner.run(item)
         bar.update(1)
 
 
-def _run_pool(todo: list, runner, workers: int, bar) -> None:
+def _run_pool(todo: list, runner, workers: int, bar, gpus: list[str] | None) -> None:
     from vlmprobe import child, interrupt
     from vlmprobe.sweep import call_worker, worker_env
 
     if not todo:
         return
     children = child.Children()
+    free_gpus: queue.Queue | None = None
+    if gpus is not None:
+        free_gpus = queue.Queue()
+        for gpu in gpus[:workers]:
+            free_gpus.put(gpu)
 
     def run_one(item) -> dict:
         config = runner.with_snapshot_file(item)
-        return call_worker(config, worker_env(config), config["measure"]["timeout_s"], children)
+        env = worker_env(config)
+        if free_gpus is None:
+            return call_worker(config, env, config["measure"]["timeout_s"], children)
+        gpu = free_gpus.get()  # as many threads as GPUs: one is always free here
+        try:
+            return call_worker(config, {**env, "CUDA_VISIBLE_DEVICES": gpu}, config["measure"]["timeout_s"], children)
+        finally:
+            free_gpus.put(gpu)
 
     pool = concurrent.futures.ThreadPoolExecutor(max_workers=min(workers, len(todo)),
                                                  thread_name_prefix="vlmprobe-pool")
@@ -103,3 +152,110 @@ def _run_pool(todo: list, runner, workers: int, bar) -> None:
         pool.shutdown(wait=True, cancel_futures=True)
         raise
     pool.shutdown(wait=True)
+
+
+def executor(launcher: dict, folder: Path):
+    """submitit's AutoExecutor for launcher=submitit, with its parameters set; submitit checks each one."""
+    try:
+        import submitit
+    except ImportError:
+        raise ConfigError("launcher=submitit is not allowed here: the submitit package is not installed; install it "
+                          "with `pip install submitit` (or `pip install -e \".[slurm]\"`)") from None
+    cluster = launcher.get("cluster")
+    if cluster not in ("slurm", "local"):
+        raise ConfigError(f"launcher.cluster={cluster!r} is not allowed: use slurm (sbatch on this cluster) or local "
+                          f"(jobs as processes on this machine)")
+    try:
+        made = submitit.AutoExecutor(folder=folder, cluster=cluster)
+    except RuntimeError as exc:  # no srun / sbatch: not on a SLURM cluster
+        raise ConfigError(f"launcher.cluster=slurm is not allowed here: submitit says: {exc}; use "
+                          f"launcher.cluster=local to run the jobs on this machine") from None
+    set_parameters(made, launcher.get("parameters") or {})
+    return made
+
+
+def set_parameters(made, parameters: dict) -> None:
+    try:
+        made.update_parameters(**parameters)
+    except (NameError, AssertionError, ValueError, TypeError) as exc:
+        said = " ".join(str(exc).split())
+        raise ConfigError(f"launcher.parameters={parameters} is not allowed: submitit says: {said}") from None
+
+
+def check_submitit(launcher: dict) -> None:
+    """Every submitit option, checked before anything runs: the package, the cluster, the parameters (by
+    submitit itself, on a local executor, which knows every cluster's parameter names)."""
+    per_job = launcher.get("points_per_job")
+    if not isinstance(per_job, int) or isinstance(per_job, bool) or per_job < 1:
+        raise ConfigError(f"launcher.points_per_job={per_job!r} is not allowed: give an integer >= 1")
+    with tempfile.TemporaryDirectory() as tmp:
+        if launcher.get("cluster") == "slurm":
+            executor(launcher, Path(tmp))  # refuses off a SLURM cluster, or a parameter SLURM's executor refuses
+        else:
+            executor({**launcher, "cluster": "local"}, Path(tmp))
+
+
+def run_job(configs: list[dict], progress: str) -> list[dict]:
+    """What a submitit job runs: its points one after another as launcher=local runs them, each one's outputs
+    appended to `progress` (a JSON line) as soon as it finishes."""
+    from vlmprobe.sweep import run_point
+
+    outputs = []
+    for config in configs:
+        outputs.append(run_point(config))
+        with open(progress, "a") as f:
+            f.write(json.dumps(outputs[-1]) + "\n")
+    return outputs
+
+
+def finished_in(progress: Path) -> list[dict]:
+    """The outputs a job noted before it ended (a line cut short by the kill is not one)."""
+    if not progress.exists():
+        return []
+    noted = []
+    for line in progress.read_text().splitlines():
+        try:
+            noted.append(json.loads(line))
+        except json.JSONDecodeError:
+            break
+    return noted
+
+
+def _run_submitit(todo: list, runner, launcher: dict, bar) -> None:
+    from vlmprobe import interrupt
+
+    if not todo:
+        return
+    folder = Path(launcher.get("folder") or runner.out_dir / "submitit")
+    made = executor(launcher, folder)
+    per_job = launcher["points_per_job"]
+    groups = [todo[i:i + per_job] for i in range(0, len(todo), per_job)]
+    (folder / "progress").mkdir(parents=True, exist_ok=True)
+    stamp = f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"  # a resumed sweep's jobs write files of their own
+    progress = [folder / "progress" / f"{stamp}-{i}.jsonl" for i in range(len(groups))]
+    with made.batch():  # one SLURM array for the whole sweep
+        submitted = [made.submit(run_job, [runner.with_snapshot_file(item) for item in group], str(path))
+                     for group, path in zip(groups, progress)]
+    pending = dict(zip(submitted, zip(groups, progress)))
+    bar.set_postfix_str(f"{len(submitted)} jobs submitted to {folder}")
+    try:
+        while pending:
+            for job in [j for j in pending if j.done()]:
+                group, path = pending.pop(job)
+                try:
+                    outputs = job.result()
+                except Exception as exc:  # killed, timed out, node lost, or the job itself failed
+                    outputs = finished_in(path)
+                    lost = f"submitit job {job.job_id} ended before this point finished: {' '.join(str(exc).split())[:1500]}"
+                    outputs += [{"status": "crash", "error": lost}] * (len(group) - len(outputs))
+                for item, out in zip(group, outputs):
+                    runner.record(item, out)
+                    bar.update(1)
+            if interrupt.received():
+                raise KeyboardInterrupt
+            if pending:
+                time.sleep(launcher.get("poll_s") or POLL_S)
+    except BaseException:
+        for job in pending:  # Ctrl-C: the jobs would run on in the queue, with no sweep to take their rows
+            job.cancel(check=False)
+        raise

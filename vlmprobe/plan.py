@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from omegaconf import OmegaConf
 
-from vlmprobe import device_profile
+from vlmprobe.estimate import device_profile
 from vlmprobe.distributed import options as dist_options
 from vlmprobe.errors import ConfigError, first_line, refused
 from vlmprobe.grid import Point, expand, flatten_axes, flatten_cases

@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 
 from vlmprobe.errors import ConfigError
-from vlmprobe.tracker import BYTE_UNITS
+from vlmprobe.estimate.tracker import BYTE_UNITS
 
 _SIZE = re.compile(r"^\s*([\d.]+)\s*(B|KiB|MiB|GiB|TiB)?\s*$")
 

@@ -13,7 +13,8 @@ import traceback
 
 import torch
 
-from vlmprobe import backends, device_profile
+from vlmprobe import backends
+from vlmprobe.estimate import device_profile
 from vlmprobe.knobs import apply_knobs
 from vlmprobe.models.base import DataShape
 from vlmprobe.distributed import engines

@@ -7,8 +7,8 @@ import contextlib
 
 import torch
 
-from vlmprobe.device_profile import DeviceProfile
-from vlmprobe.tracker import segment_bytes_in_message
+from vlmprobe.estimate.device_profile import DeviceProfile
+from vlmprobe.estimate.tracker import segment_bytes_in_message
 
 
 class Backend(abc.ABC):
@@ -23,7 +23,7 @@ class Backend(abc.ABC):
         imposed. `capacity`: device bytes the point may use (an allocation past it raises OutOfMemoryError):
         the allocator model's capacity without a device, the caching allocator's limit on cuda.
         `record_history`: measure.record_history (off | alloc | all), for backends with allocation history.
-        `device`: the point's target card (vlmprobe.device_profile), or None."""
+        `device`: the point's target card (vlmprobe.estimate.device_profile), or None."""
 
     def device(self) -> torch.device:
         return torch.device(self.device_type)
@@ -48,7 +48,7 @@ class Backend(abc.ABC):
 
     def predicted_device_bytes(self, meter, device: DeviceProfile | None) -> int | None:
         """What the target card would show in use at the point's peak, where this backend predicts rather
-        than measures it (vlmprobe.device_profile.predicted_device_bytes); None here."""
+        than measures it (vlmprobe.estimate.device_profile.predicted_device_bytes); None here."""
         return None
 
     def final_stats(self, meter) -> dict:

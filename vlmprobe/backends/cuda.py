@@ -12,9 +12,9 @@ import warnings
 
 import torch
 
-from vlmprobe import device_profile
+from vlmprobe.estimate import device_profile
 from vlmprobe.backends.base import Backend
-from vlmprobe.tracker import segment_bytes_in_message
+from vlmprobe.estimate.tracker import segment_bytes_in_message
 
 SNAPSHOT_ENTRIES = 200_000  # allocation events kept for a snapshot (the oldest are dropped past this)
 # measure.record_history -> (context, stacks) of torch.cuda.memory._record_memory_history. Stacks cost host

@@ -15,7 +15,7 @@ byte; per rank and phase within 16 KiB (real ranks themselves vary that much fro
    parameter on `.to()`, and the swap fails. The model is on its device already, so the call is skipped.
 2. `.item()` of a fake tensor has no value: DeepSpeed reads scalars for its overflow / invalid-norm checks
    (runtime/utils.py:is_invalid_grad_norm, stage_1_and_2.py:has_overflow): the tracker answers them as a
-   healthy step reads them (vlmprobe.tracker). A step DeepSpeed skips anyway is an error, not a figure.
+   healthy step reads them (vlmprobe.estimate.tracker). A step DeepSpeed skips anyway is an error, not a figure.
 3. stage 3 checks that every rank traced the same modules (runtime/zero/utils.py:get_lst_from_rank0 and
    assert_lst_len_same_as_other_ranks broadcast rank 0's list). A fake group moves no data; every simulated
    rank traces the same modules, so while the group is fake the local list answers.

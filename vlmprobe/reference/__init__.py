@@ -11,7 +11,7 @@ from importlib.resources import files
 
 import pandas as pd
 
-from vlmprobe import device_profile
+from vlmprobe.estimate import device_profile
 from vlmprobe.results import MiB
 
 TABLE = files(__name__) / "nanovlm_issue103.csv"

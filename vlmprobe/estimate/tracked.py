@@ -11,11 +11,12 @@ from __future__ import annotations
 import contextlib
 import platform
 
-from vlmprobe import device_profile
-from vlmprobe.autocast_policy import cuda_autocast_policy
+from vlmprobe.estimate import device_profile
+from vlmprobe.estimate.autocast_policy import cuda_autocast_policy
 from vlmprobe.backends.base import Backend
-from vlmprobe.sdpa_choice import cuda_sdpa_choice
-from vlmprobe.tracker import LiveBytesTracker
+from vlmprobe.estimate.sdpa_choice import cuda_sdpa_choice
+from vlmprobe.estimate.fake_patches import real_run_answers_for_fake_batches
+from vlmprobe.estimate.tracker import LiveBytesTracker
 
 
 class TrackerMeter:
@@ -42,35 +43,6 @@ class TrackerMeter:
         """The allocator model's peak reserved bytes over the whole session, model load included: the most
         the caching allocator would have held from the card at once (reset_peak does not forget it)."""
         return max(self._reserved_closed, self.tracker.allocator.peak_reserved)
-
-
-@contextlib.contextmanager
-def real_run_answers_for_fake_batches():
-    """Give transformers the answers a real run of our synthetic batches gets where it reads data.
-
-    transformers takes fake tensors for tracing; for a data-dependent decision it then assumes the worst
-    case. The one that changes memory: `find_packed_sequence_indices` cannot read fake position ids, so it
-    reports a packed batch, and the model materialises a (B, 1, L, L) mask and repeats K/V for SDPA, which a
-    real run of the same batch skips. Synthetic batches hold one unpadded sequence per sample, so the real
-    answer is "not packed" (None); the ops a real run makes to decide are still made, so allocations match.
-    """
-    from torch._subclasses.fake_tensor import FakeTensor
-    from transformers import masking_utils
-
-    original = masking_utils.find_packed_sequence_indices
-
-    def find_packed_sequence_indices(position_ids):
-        packed = original(position_ids)
-        if isinstance(packed, FakeTensor):
-            (packed[:, -1] == 0).all()  # what a real run computes to decide, then reads
-            return None
-        return packed
-
-    masking_utils.find_packed_sequence_indices = find_packed_sequence_indices
-    try:
-        yield
-    finally:
-        masking_utils.find_packed_sequence_indices = original
 
 
 class TrackedBackend(Backend):

@@ -3,7 +3,7 @@
 Used by the cpu backend (real CPU tensors) and the estimate backend (fake tensors): a TorchDispatchMode
 sees every aten op below autograd, so it sees the forward, the tensors autograd saves, the backward and
 the optimizer alike. Each storage an op returns that was not seen before is allocated from a model of the
-CUDA caching allocator (vlmprobe.allocator: 512-byte rounding, segments, best fit, unsplit remainders),
+CUDA caching allocator (vlmprobe.estimate.allocator: 512-byte rounding, segments, best fit, unsplit remainders),
 in the order the ops run, and freed there when the storage dies, or resized in place (`resize_`, how FSDP2
 frees and re-allocates unsharded parameters: the old block is freed, a new one allocated); the figures are
 that model's.
@@ -23,7 +23,7 @@ from torch._subclasses.fake_tensor import DataDependentOutputException
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_leaves
 
-from vlmprobe.allocator import CachingAllocatorModel
+from vlmprobe.estimate.allocator import CachingAllocatorModel
 
 _FROM_PYTHON_DATA = (torch.ops.aten.lift_fresh.default, torch.ops.aten.lift_fresh_copy.default)
 

@@ -12,7 +12,7 @@ scaled_dot_product_attention (torch 2.11-2.13), for the inputs our models give (
 Where CUDA's chosen kernel raises instead of falling back (a memory-efficient bias whose dtype is not the
 query's), the estimate raises the same error.
 The dtype that counts is the one the kernel sees: under autocast, the autocast dtype.
-With a target card (device=, vlmprobe.device_profile) the card's limits apply too (sdp_utils.cpp):
+With a target card (device=, vlmprobe.estimate.device_profile) the card's limits apply too (sdp_utils.cpp):
 - flash runs only where the profile says so (sm80-sm121: not on a V100), and on sm86/sm89/sm120/sm121 not
   for training (an input that requires grad) with head_dim in (192, 224];
 - memory-efficient takes bf16 only from sm80, and fp32 head dims aligned to 1 below sm80 (no TF32 tensor
@@ -33,7 +33,7 @@ import contextlib
 import torch
 import torch.nn.functional as F
 
-from vlmprobe.device_profile import DeviceProfile
+from vlmprobe.estimate.device_profile import DeviceProfile
 
 LOW_PRECISION = (torch.float16, torch.bfloat16)
 

@@ -11,7 +11,7 @@ What a profile does to a point:
   imposes a smaller capacity on that card (as +find=max_batch does with its budget); one larger than the card
   is a contradiction and is refused.
 - dtypes: bfloat16 on a card without it (below sm80) is refused before any point runs.
-- SDPA: vlmprobe.sdpa_choice runs flash and memory-efficient attention only where the card has them.
+- SDPA: vlmprobe.estimate.sdpa_choice runs flash and memory-efficient attention only where the card has them.
 - predicted_device_bytes (estimate, cpu): the allocator model's peak reserved + the CUDA context + the
   cuBLAS workspaces, where the profile knows the context (empty otherwise).
 - cuda: the row's notes say so when the card the worker ran on is not the profile's.

@@ -1,0 +1,68 @@
+"""Patches that let libraries run on fake tensors as they run on real ones, each active only while needed.
+
+Each answers one place where a library reads data or swaps tensors in a way fake tensors cannot take, with
+what a real run of the same synthetic batch does there, so the allocations stay those of the real run.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+from torch import nn
+
+
+@contextlib.contextmanager
+def real_run_answers_for_fake_batches():
+    """Give transformers the answers a real run of our synthetic batches gets where it reads data.
+
+    transformers takes fake tensors for tracing; for a data-dependent decision it then assumes the worst
+    case. The one that changes memory: `find_packed_sequence_indices` cannot read fake position ids, so it
+    reports a packed batch, and the model materialises a (B, 1, L, L) mask and repeats K/V for SDPA, which a
+    real run of the same batch skips. Synthetic batches hold one unpadded sequence per sample, so the real
+    answer is "not packed" (None); the ops a real run makes to decide are still made, so allocations match.
+    """
+    from torch._subclasses.fake_tensor import FakeTensor
+    from transformers import masking_utils
+
+    original = masking_utils.find_packed_sequence_indices
+
+    def find_packed_sequence_indices(position_ids):
+        packed = original(position_ids)
+        if isinstance(packed, FakeTensor):
+            (packed[:, -1] == 0).all()  # what a real run computes to decide, then reads
+            return None
+        return packed
+
+    masking_utils.find_packed_sequence_indices = find_packed_sequence_indices
+    try:
+        yield
+    finally:
+        masking_utils.find_packed_sequence_indices = original
+
+
+@contextlib.contextmanager
+def fake_modules_move_by_data():
+    """peft moves each new adapter to its base layer with Module.to, which fake modules cannot take: torch
+    swaps a fake parameter's tensor, and every fake Parameter carries a weakref that forbids the swap. While
+    active, Module.to on a module holding fake tensors converts their dtype through `.data` (what Module.to
+    does for real tensors) and leaves the device (fake tensors all live on the CPU)."""
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    to = nn.Module.to
+
+    def to_by_data(self, *args, **kwargs):
+        tensors = [*self.parameters(), *self.buffers()]
+        if not any(isinstance(t, FakeTensor) for t in tensors):
+            return to(self, *args, **kwargs)
+        _, dtype, _, _ = torch._C._nn._parse_to(*args, **kwargs)
+        for t in tensors:
+            if dtype is not None and t.is_floating_point() and t.dtype != dtype:
+                t.data = t.data.to(dtype)
+        return self
+
+    nn.Module.to = to_by_data
+    try:
+        yield
+    finally:
+        nn.Module.to = to
