@@ -72,9 +72,10 @@ def measure(point: dict) -> dict:
             model = spec.build(engine.build_device, DTYPES[train["param_dtype"]], init=not engine.build_device_is_meta)
             apply_knobs(spec, model, train)
             model.train()
-            batch = spec.batch(data, backend.device())
-            engine.prepare(spec, model, instantiate(point["optimizer"], _convert_="all"))
             grpo = point["step"]["name"] == "grpo"
+            # the GRPO step makes its own prompt and prompt + completion batches as it goes
+            batch = None if grpo else spec.batch(data, backend.device())
+            engine.prepare(spec, model, instantiate(point["optimizer"], _convert_="all"))
             reference = grpo_reference(spec, point, engine) if grpo else None
             meter.sync()
             out["after_load_bytes"] = meter.current()
@@ -85,7 +86,6 @@ def measure(point: dict) -> dict:
                 from vlmprobe.steps.grpo import GRPOSettings, grpo_steps
 
                 settings = GRPOSettings.from_config(point["step"], data, train["grad_accum_steps"], backend.name, spec)
-                del batch  # the GRPO step makes its own prompt and prompt + completion batches
                 grpo_steps(spec, engine, reference, data, backend.device(), meter, point["measure"]["steps"],
                            autocast, report, train["grad_accum_steps"], settings, lambda: adapters_disabled(engine.model))
                 if settings.use_vllm:

@@ -36,6 +36,7 @@ from vlmprobe.steps.common import Meter, PhaseClock, StepReport
 from vlmprobe.steps.rollout import ROLLOUTS, rollout
 
 PHASES = ("generate", "reference", "forward", "backward", "optimizer")
+VLLM_MODES = ("server", "colocate")  # TRL's vllm_mode
 EPSILON = 0.2  # TRL's clipping range (epsilon, epsilon_high default to it)
 
 
@@ -47,6 +48,7 @@ class GRPOSettings:
     max_completion_length: int
     beta: float
     use_vllm: bool
+    vllm_mode: str
     num_processes: int
     logits: str
     compact: bool
@@ -79,10 +81,12 @@ class GRPOSettings:
         for key in ("use_vllm", "compact"):
             if not isinstance(values[key], bool):
                 raise ConfigError(f"step.{key}={values[key]!r} is not allowed: use true or false")
-        if values["use_vllm"] and backend == "cuda":
-            raise ConfigError("step.use_vllm=true is not allowed with backend cuda: the vLLM server's memory is not "
-                              "this process's and cannot be measured here; use the estimate or cpu backend (the "
-                              "training GPU's side only)")
+        if values["vllm_mode"] not in VLLM_MODES:
+            raise ConfigError(f"step.vllm_mode={values['vllm_mode']!r} is not allowed: use server")
+        if values["use_vllm"] and values["vllm_mode"] == "colocate":
+            raise ConfigError(f"step.vllm_mode=colocate is not allowed (backend {backend}): colocated vLLM shares the "
+                              f"training GPU through its own allocator (gpu_memory_utilization x the card), which "
+                              f"no backend here can tell; use vllm_mode=server (generation on other GPUs)")
         if values["logits"] not in logprob.LOGITS_PATHS:
             raise ConfigError(f"step.logits={values['logits']!r} is not allowed: use one of "
                               f"{', '.join(logprob.LOGITS_PATHS)}")
