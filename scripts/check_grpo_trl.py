@@ -142,8 +142,8 @@ def main() -> None:
                      "vlmprobe step peak MiB": our_step / MiB, "ratio": our_step / trl_step,
                      "vlmprobe peak phase": ours["phase"]})
     print(pd.DataFrame(rows).round(4).to_string(index=False))
-    print("\nstep peak = peak over one optimizer step minus what was allocated when it started (vlmprobe: models and "
-          "batch; TRL: what it had made by then, its weights loaded from safetensors pass no op the tracker sees); "
+    print("\nstep peak = peak over one optimizer step minus what was allocated when it started (vlmprobe: its models, "
+          "after_load_bytes; TRL: what it had made by then, its weights loaded from safetensors pass no op the tracker sees); "
           "MiB = 2**20 bytes; both on the cpu backend (real CPU tensors). vlmprobe allocates what TRL's CUDA path "
           "(Triton fold, in place) allocates: the row with TRL's fold in place compares like with like.")
 
