@@ -26,14 +26,17 @@ import contextlib
 import dataclasses
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from vlmprobe.errors import ConfigError
-from vlmprobe.models.base import DataShape
 from vlmprobe.steps import logprob
 from vlmprobe.steps.common import Meter, PhaseClock, StepReport
 from vlmprobe.steps.rollout import ROLLOUTS, rollout
+
+if TYPE_CHECKING:  # steps sit below models in the layering: the shape is passed in, never built here
+    from vlmprobe.models.base import DataShape
 
 PHASES = ("generate", "reference", "forward", "backward", "optimizer")
 VLLM_MODES = ("server", "colocate")  # TRL's vllm_mode
@@ -55,7 +58,7 @@ class GRPOSettings:
     rollout: str
 
     @classmethod
-    def from_config(cls, step: dict, data: DataShape, accum: int, backend: str, spec) -> "GRPOSettings":
+    def from_config(cls, step: dict, data: "DataShape", accum: int, backend: str, spec) -> "GRPOSettings":
         """One ConfigError line per value TRL (or vlmprobe) refuses, before anything is built."""
         values = {f.name: step[f.name] for f in dataclasses.fields(cls)}
         for key in ("num_generations", "max_completion_length", "num_processes"):
@@ -116,7 +119,7 @@ def grpo_loss(settings: GRPOSettings, logps, ref_logps, mask, advantages, accum:
     return loss / accum
 
 
-def policy_batch(spec, rows: int, data: DataShape, completion: int, device) -> dict:
+def policy_batch(spec, rows: int, data: "DataShape", completion: int, device) -> dict:
     """Prompt + completion rows as the policy's forward gets them, with TRL's labels: the input ids with
     everything before the completion set to -100."""
     batch = spec.batch(dataclasses.replace(data, batch_size=rows, lm_max_length=data.lm_max_length + completion), device)
@@ -126,7 +129,7 @@ def policy_batch(spec, rows: int, data: DataShape, completion: int, device) -> d
     return batch
 
 
-def grpo_steps(spec, engine, reference, data: DataShape, device, meter: Meter, steps: int, autocast,
+def grpo_steps(spec, engine, reference, data: "DataShape", device, meter: Meter, steps: int, autocast,
                report: StepReport, accum: int, settings: GRPOSettings, disabled_adapters) -> None:
     """`reference`: the frozen reference model, or None (beta = 0, or LoRA: `disabled_adapters()` is the
     context in which the policy is its own reference)."""
