@@ -3,8 +3,9 @@
 
 Runs (1) one qwen2_vl_7b point (bf16 weights, batch 1, lm_max_length 2048, 448 px), (2) the whole seq_len
 sweep and (3) the 100-point grid100 sweep, each under launcher=local and under launcher=pool (all usable
-cores), and (4) one qwen2_vl_7b FSDP2 point at world size 8 (all ranks alike, so one rank is simulated),
-each as `python -m vlmprobe ... measure.backend=estimate` in a subprocess, and prints a table: step time (the row's step_time_s), wall time
+cores), (4) one qwen2_vl_7b FSDP2 point at world size 8 (all ranks alike, so one rank is simulated), and
+(5) one qwen2_5_vl_7b GRPO step, each as `python -m vlmprobe ... measure.backend=estimate` in a subprocess,
+and prints a table: step time (the row's step_time_s), wall time
 and the subprocess's peak RSS (under pool: the sweep process's own, not its workers'), then the ratio of
 each sweep's wall times, local / pool.
 
@@ -36,6 +37,12 @@ CASES = [
     ("qwen2_vl_7b fsdp2 world 8 (one rank simulated)",
      ["model=qwen2_vl_7b", "dist=fsdp2_bf16", "dist.world_size=8", "data.batch_size=1", "data.lm_max_length=2048",
       "data.image_size=448"], {"wall_s": 30.0, "rss_gib": 2.0}),
+    # the GRPO issue's target: a Qwen2.5-VL-7B GRPO point, 4 generations of 512 tokens (one prompt, 4 rows, bf16
+    # weights as VLM-R1 loads them), one optimizer step (rollout, reference, policy, optimizer)
+    ("qwen2_5_vl_7b grpo G4 C512 rows 4, 1 step",
+     ["model=qwen2_5_vl_7b", "step=grpo", "step.num_generations=4", "step.max_completion_length=512",
+      "data.batch_size=4", "train.param_dtype=bfloat16", "train.autocast_dtype=null", "measure.steps=1"],
+     {"wall_s": 60.0}),
 ]
 
 

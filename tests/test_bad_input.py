@@ -23,6 +23,7 @@ def cli(tmp_path, monkeypatch, capsys):
     return _run
 
 
+GRPO = ["model=qwen2_5_vl_tiny", "step=grpo", "data.batch_size=4", "measure.backend=estimate"]
 BAD_INPUT = {
     "negative lr": (["model=nanovlm_tiny", "optimizer.lr=-1"],
                     "optimizer.lr=-1 is not allowed: torch.optim.AdamW refuses it: Invalid learning rate: -1"),
@@ -115,6 +116,24 @@ BAD_INPUT = {
                                              "launcher=pool is not allowed with measure.isolate=false"),
     "pool on cuda without a GPU": (["launcher=pool", "measure.backend=cuda"],
                                    "measure.backend=cuda is not allowed here: no CUDA GPU is visible"),
+    "GRPO with one generation": (GRPO + ["step.num_generations=1"],
+                                 "step.num_generations=1 is not allowed: TRL's GRPOConfig requires at least 2"),
+    "GRPO batch of partial groups": (GRPO + ["data.batch_size=3"],
+                                     "step.num_generations=4 is not allowed with data.batch_size=3 "
+                                     "(per_device_train_batch_size), train.grad_accum_steps=1 and step.num_processes=1: "
+                                     "TRL's GRPOConfig says \"generation_batch_size (3) must be divisible by "
+                                     "num_generations (4)\""),
+    "GRPO without completion": (GRPO + ["step.max_completion_length=0"],
+                                "step.max_completion_length=0 is not allowed: it must be an integer >= 1"),
+    "GRPO negative beta": (GRPO + ["step.beta=-0.1"], "step.beta=-0.1 is not allowed: the KL coefficient must be a "
+                                                      "number >= 0"),
+    "GRPO with colocated vLLM": (GRPO + ["step.use_vllm=true", "step.vllm_mode=colocate"],
+                                 "step.vllm_mode=colocate is not allowed (backend estimate): colocated vLLM shares the "
+                                 "training GPU through its own allocator"),
+    "GRPO with a model that cannot generate": (["model=nanovlm_tiny", "step=grpo", "data.batch_size=4"],
+                                               "step=grpo is not allowed with model=nanovlm_tiny: NanoVLMSpec cannot "
+                                               "generate here"),
+    "GRPO sharded": (GRPO + ["dist=zero3"], "dist=zero3 is not allowed with step=grpo: the GRPO step runs on one GPU"),
 }
 
 

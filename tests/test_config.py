@@ -18,7 +18,7 @@ SWEEPS = [pytest.param(name, marks=pytest.mark.slow) if name == "grid100" else n
 HF_TINY = TESTS / "data" / "hf" / "qwen2_5_vl_tiny"
 NEEDS = {"hf": [f"model.config={HF_TINY}"]}
 GROUPS = {g: sorted(p.stem for p in (CONF / g).glob("*.yaml"))
-          for g in ("data", "train", "measure", "optimizer", "dist", "device", "launcher")}
+          for g in ("data", "train", "measure", "optimizer", "dist", "device", "launcher", "step")}
 
 
 @pytest.mark.parametrize("model", MODELS)
@@ -61,6 +61,17 @@ def test_every_group_option_composes_and_instantiates(compose, group, option):
             launcher["cluster"] = "local"
         launchers.check(launcher, "estimate")
         assert launcher["name"] == option and (option == "local" or launchers.jobs(launcher) >= 1)
+    if group == "step":  # plain data, validated as a point validates it (grpo: 4 rows, one prompt's generations)
+        from omegaconf import OmegaConf
+
+        from vlmprobe.models.base import DataShape
+        from vlmprobe.plan import validate_step
+
+        point = OmegaConf.to_container(compose([f"step={option}", "model=qwen2_5_vl_tiny", "data.batch_size=4"]),
+                                       resolve=True)
+        spec = instantiate(point["model"], _convert_="all")
+        settings = validate_step(point, DataShape.from_config(point["data"]), spec)
+        assert point["step"]["name"] == option and (settings is None) == (option == "sft")
     if group == "optimizer":
         if option == "adamw_8bit" and importlib.util.find_spec("bitsandbytes") is None:
             pytest.skip("bitsandbytes is not installed (its rows say `skipped`, see test_knobs)")

@@ -6,6 +6,8 @@ so `trainable_params` in a row is what the optimizer really got.
 
 from __future__ import annotations
 
+import contextlib
+
 from torch import nn
 
 from vlmprobe.errors import ConfigError
@@ -81,6 +83,22 @@ def add_lora(modules: list[nn.Module], train: dict) -> None:
     if not injected:
         raise ConfigError(f"train.lora_target_modules={list(train['lora_target_modules'])} is not allowed: no linear "
                           f"layer of the language model has such a name")
+
+
+@contextlib.contextmanager
+def adapters_disabled(model: nn.Module):
+    """The model without its LoRA adapters (peft's disable_adapter, what TRL's GRPO reference is with a PEFT
+    policy); a no-op for a model without adapters."""
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    layers = [m for m in model.modules() if isinstance(m, BaseTunerLayer)]
+    for layer in layers:
+        layer.enable_adapters(False)
+    try:
+        yield
+    finally:
+        for layer in layers:
+            layer.enable_adapters(True)
 
 
 def validate_knobs(train: dict) -> None:

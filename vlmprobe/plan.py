@@ -89,7 +89,7 @@ def _describe_model(model_json: str, train_json: str, optimizer_json: str) -> tu
 
     from vlmprobe.knobs import apply_knobs
     from vlmprobe.models.base import count_params
-    from vlmprobe.step import make_optimizer
+    from vlmprobe.steps.common import make_optimizer
     from vlmprobe.worker import DTYPES, build_spec
 
     train, optimizer, model_cfg = json.loads(train_json), json.loads(optimizer_json), json.loads(model_json)
@@ -190,6 +190,7 @@ def validate_point(cfg: dict, point: Point) -> tuple[dict, str | None]:
         raise refused(f"model={cfg['model'].get('name', '?')} with its settings", str(cfg["model"].get("_target_")),
                       exc.__cause__ or exc) from None
     dist_options.validate(cfg["dist"], measure["backend"], cfg.get("find"), _visible_gpus)
+    step = validate_step(cfg, data, spec)
     described, skip = _describe_model(*(json.dumps(cfg[k], sort_keys=True) for k in ("model", "train", "optimizer")))
     inputs = {
         "sweep": cfg["sweep"]["name"],
@@ -215,6 +216,11 @@ def validate_point(cfg: dict, point: Point) -> tuple[dict, str | None]:
         "dist": cfg["dist"]["name"],
         "world_size": cfg["dist"]["world_size"],
         "device": profile.key if profile else None,
+        "step": cfg["step"]["name"],
+        **({"num_generations": step.num_generations, "max_completion_length": step.max_completion_length,
+            "beta": step.beta, "use_vllm": step.use_vllm,
+            "logits_path": step.logits + ("" if step.logits != "chunked" or step.compact else "(all positions)")}
+           if step else {}),
         "attn_implementation": cfg["model"].get("attn_implementation"),
         "alloc_conf": measure.get("alloc_conf"),
         "hold_outputs": measure["hold_outputs"],
@@ -225,6 +231,24 @@ def validate_point(cfg: dict, point: Point) -> tuple[dict, str | None]:
             inputs[axis_column(key)] = value if not isinstance(value, (dict, list)) else json.dumps(value)
     return inputs, (skip or kernel_skip(cfg) or allocator_skip(allocator, measure["backend"])
                     or dist_options.skip_reason(cfg["dist"], measure["backend"]))
+
+
+STEPS = ("sft", "grpo")
+
+
+def validate_step(cfg: dict, data, spec):
+    """The step's settings (GRPOSettings for grpo, None for sft); one ConfigError line for a bad value."""
+    name = cfg["step"]["name"]
+    if name not in STEPS:
+        raise ConfigError(f"step.name={name!r} is not allowed: use one of {', '.join(STEPS)} (step=sft | step=grpo)")
+    if name == "sft":
+        return None
+    from vlmprobe.steps.grpo import GRPOSettings
+
+    if cfg["dist"]["name"] != "none":
+        raise ConfigError(f"dist={cfg['dist']['name']} is not allowed with step=grpo: the GRPO step runs on one GPU "
+                          f"(dist=none) for now; sharded GRPO (VLM-R1's ZeRO-3) is not modelled")
+    return GRPOSettings.from_config(cfg["step"], data, cfg["train"]["grad_accum_steps"], cfg["measure"]["backend"], spec)
 
 
 def _visible_gpus() -> int:

@@ -17,6 +17,7 @@ INPUT_COLUMNS = [
     "batch_size", "grad_accum_steps", "effective_batch_size", "lm_max_length", "image_size", "images_per_sample",
     "max_pixels", "image_tokens", "grad_ckpt_lm", "grad_ckpt_vision", "freeze_vision", "freeze_lm", "lora_r",
     "dist", "world_size", "device",
+    "step", "num_generations", "max_completion_length", "beta", "use_vllm", "logits_path",  # step=grpo (empty for sft)
     "attn_implementation", "alloc_conf", "hold_outputs", "steps",
 ]
 OUTPUT_COLUMNS = [
@@ -32,6 +33,7 @@ OUTPUT_COLUMNS = [
     "predicted_device_bytes",
     "after_load_bytes",
     "after_step_bytes",  # allocated after the last optimizer step: what a training loop carries between steps
+    "generate_peak_bytes", "reference_peak_bytes",  # step=grpo: the rollout and the reference scoring (empty: absent)
     "forward_peak_bytes", "backward_peak_bytes", "optimizer_peak_bytes", "peak_phase",
     "params_bytes", "grads_bytes", "optimizer_state_bytes", "optimizer_state_dtype", "activations_bytes",
     "oom_block_bytes",  # oom rows: the block the allocator was asked for (the tensor's bytes rounded up to 512)

@@ -18,9 +18,11 @@ from vlmprobe.estimate import alloc_conf, device_profile
 from vlmprobe.knobs import apply_knobs
 from vlmprobe.models.base import DataShape
 from vlmprobe.distributed import engines
-from vlmprobe.step import StepReport, train_steps
+from vlmprobe.steps.common import StepReport
+from vlmprobe.steps.sft import train_steps
 
 ROW_PREFIX = "VLMPROBE_ROW "
+PHASES = ("generate", "reference", "forward", "backward", "optimizer")  # every step's phases, as row columns
 RAISED = 3  # exit code when the measurement raised: the sweep records status `error` with the traceback
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -72,14 +74,27 @@ def measure(point: dict) -> dict:
             model = spec.build(engine.build_device, DTYPES[train["param_dtype"]], init=not engine.build_device_is_meta)
             apply_knobs(spec, model, train)
             model.train()
-            batch = spec.batch(data, backend.device())
+            grpo = point["step"]["name"] == "grpo"
+            # the GRPO step makes its own prompt and prompt + completion batches as it goes
+            batch = None if grpo else spec.batch(data, backend.device())
             engine.prepare(spec, model, instantiate(point["optimizer"], _convert_="all"))
+            reference = grpo_reference(spec, point, engine) if grpo else None
             meter.sync()
             out["after_load_bytes"] = meter.current()
             out["params_bytes"] = engine.params_bytes()
             autocast = backend.autocast(DTYPES.get(train.get("autocast_dtype") or ""))
-            train_steps(spec, engine, batch, meter, point["measure"]["steps"], autocast, report,
-                        accum=train["grad_accum_steps"], hold_outputs=point["measure"]["hold_outputs"])
+            if grpo:
+                from vlmprobe.knobs import adapters_disabled
+                from vlmprobe.steps.grpo import GRPOSettings, grpo_steps
+
+                settings = GRPOSettings.from_config(point["step"], data, train["grad_accum_steps"], backend.name, spec)
+                grpo_steps(spec, engine, reference, data, backend.device(), meter, point["measure"]["steps"],
+                           autocast, report, train["grad_accum_steps"], settings, lambda: adapters_disabled(engine.model))
+                if settings.use_vllm:
+                    meter.notes.append("use_vllm: a vLLM server generates the completions; no generate phase on this GPU")
+            else:
+                train_steps(spec, engine, batch, meter, point["measure"]["steps"], autocast, report,
+                            accum=train["grad_accum_steps"], hold_outputs=point["measure"]["hold_outputs"])
         except Exception as exc:
             if not is_out_of_memory(exc):
                 raise
@@ -99,6 +114,16 @@ def measure(point: dict) -> dict:
     return out
 
 
+def grpo_reference(spec, point: dict, engine):
+    """GRPO's frozen reference model: a copy of the policy in its weight dtype (TRL loads it with the policy's
+    model_init_kwargs), no gradients, eval mode; None where there is none (beta = 0) or the policy is its own
+    reference (LoRA: TRL disables the adapters)."""
+    if not point["step"]["beta"] or point["train"]["lora_r"]:
+        return None
+    model = spec.build(engine.build_device, DTYPES[point["train"]["param_dtype"]], init=not engine.build_device_is_meta)
+    return model.requires_grad_(False).eval()
+
+
 def _report_columns(report: StepReport) -> dict:
     done = bool(report.last_step_peaks)
     return {
@@ -107,7 +132,7 @@ def _report_columns(report: StepReport) -> dict:
         "peak_active_bytes": report.peaks.get("active"),
         "last_step_peak_allocated_bytes": report.last_step_peaks.get("allocated"),
         "last_step_peak_reserved_bytes": report.last_step_peaks.get("reserved"),
-        **{f"{phase}_peak_bytes": report.phase_peaks.get(phase) for phase in ("forward", "backward", "optimizer")},
+        **{f"{phase}_peak_bytes": report.phase_peaks.get(phase) for phase in PHASES},
         "peak_phase": report.peak_phase or None,
         "activations_bytes": report.activations_bytes if done else None,
         "after_step_bytes": report.after_step_bytes if done else None,

@@ -34,7 +34,7 @@ class Backend(abc.ABC):
         return torch.device(self.device_type)
 
     def autocast(self, dtype: torch.dtype | None):
-        from vlmprobe.step import autocast_factory
+        from vlmprobe.steps.common import autocast_factory
 
         return autocast_factory(self.device_type, dtype)
 

@@ -32,7 +32,7 @@ import torch.distributed as torch_dist
 
 from vlmprobe.distributed.engines import Engine, storage_bytes
 from vlmprobe.distributed.options import read_deepspeed_config
-from vlmprobe.step import make_optimizer
+from vlmprobe.steps.common import make_optimizer
 
 PRECISION = {"bfloat16": "bf16", "float16": "fp16"}
 OPTIMIZER_AUTO = {"lr": 5e-5, "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 0.0}  # TrainingArguments defaults

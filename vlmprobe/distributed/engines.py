@@ -1,4 +1,4 @@
-"""Engines: who owns the model + optimizer wiring of one rank. The measured step (vlmprobe.step.train_steps)
+"""Engines: who owns the model + optimizer wiring of one rank. The measured step (vlmprobe.steps)
 drives an engine and never asks which one it is:
 
     engine = make(point["dist"], device)
@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from vlmprobe.step import make_optimizer, state_tensors
+from vlmprobe.steps.common import make_optimizer, state_tensors
 
 
 def storage_bytes(tensors) -> int:

@@ -31,12 +31,12 @@ def real_run_answers_for_fake_batches():
     from transformers import masking_utils
 
     original = masking_utils.find_packed_sequence_indices
-    original_ignore = masking_utils._ignore_bidirectional_mask_sdpa
+    original_bidirectional = masking_utils._ignore_bidirectional_mask_sdpa
 
     def ignore_bidirectional_mask_sdpa(padding_mask, kv_length, local_attention_size=None):
         if isinstance(padding_mask, FakeTensor):
             return bool(padding_mask.all()) and (local_attention_size is None or kv_length < local_attention_size)
-        return original_ignore(padding_mask, kv_length, local_attention_size)
+        return original_bidirectional(padding_mask, kv_length, local_attention_size)
 
     def find_packed_sequence_indices(position_ids):
         packed = original(position_ids)
@@ -45,13 +45,36 @@ def real_run_answers_for_fake_batches():
             return None
         return packed
 
+    # generate() makes its own all-ones attention mask when none is given (step=grpo's rollout); a real run
+    # reads it (fast_all) and, finding no padding, skips the (B, 1, q, kv) mask for SDPA's is_causal. Fake
+    # masks are taken for tracing and never skipped: answer as the real run, making the ops it makes to read.
+    original_causal = masking_utils._ignore_causal_mask_sdpa
+
+    def ignore_causal_mask_sdpa(padding_mask, *args, **kwargs):
+        if not isinstance(padding_mask, FakeTensor):
+            return original_causal(padding_mask, *args, **kwargs)
+        tracing, fast_all = masking_utils.is_tracing, masking_utils.fast_all
+
+        def all_ones(tensor):
+            fast_all(tensor)  # the sum and compare a real run reads
+            return True  # synthetic prompts are unpadded
+
+        masking_utils.is_tracing = lambda t: False if isinstance(t, FakeTensor) else tracing(t)
+        masking_utils.fast_all = all_ones
+        try:
+            return original_causal(padding_mask, *args, **kwargs)
+        finally:
+            masking_utils.is_tracing, masking_utils.fast_all = tracing, fast_all
+
     masking_utils.find_packed_sequence_indices = find_packed_sequence_indices
     masking_utils._ignore_bidirectional_mask_sdpa = ignore_bidirectional_mask_sdpa
+    masking_utils._ignore_causal_mask_sdpa = ignore_causal_mask_sdpa
     try:
         yield
     finally:
         masking_utils.find_packed_sequence_indices = original
-        masking_utils._ignore_bidirectional_mask_sdpa = original_ignore
+        masking_utils._ignore_bidirectional_mask_sdpa = original_bidirectional
+        masking_utils._ignore_causal_mask_sdpa = original_causal
 
 
 @contextlib.contextmanager

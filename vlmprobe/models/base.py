@@ -74,6 +74,15 @@ class ModelSpec(abc.ABC):
     def batch(self, data: DataShape, device: torch.device) -> dict:
         """Forward kwargs (with labels) for one synthetic micro batch: shapes decide memory, content does not."""
 
+    can_generate = False  # whether generation_inputs() below exists (step=grpo needs it)
+
+    def generation_inputs(self, model: nn.Module, data: DataShape, device: torch.device):
+        """(kwargs, context) for `model.generate(**kwargs)` on one synthetic prompt batch of `data` (the prompt
+        fills lm_max_length): the prompt's inputs, and a context the call runs in (what the family needs so
+        that generate runs on fake tensors as on real ones). step=grpo's rollout (vlmprobe.steps.rollout)."""
+        raise ConfigError(f"step=grpo is not allowed with model={self.name}: {type(self).__name__} cannot "
+                          f"generate here; use a Qwen2-VL / Qwen2.5-VL model (qwen2_vl_*, qwen2_5_vl_*, hf)")
+
     def loss(self, model: nn.Module, batch: dict) -> tuple[torch.Tensor, object]:
         """(loss, outputs) of `batch`, as the family's own training code computes them; `outputs` is what the
         model returned (logits), which a training loop may keep alive (measure.hold_outputs). Here the

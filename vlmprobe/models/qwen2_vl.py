@@ -249,6 +249,43 @@ class Qwen2VLSpec(ModelSpec):
         return batch
 
 
+    # -- generation (step=grpo) -----------------------------------------------------------------------
+    can_generate = True
+
+    def generation_inputs(self, model: nn.Module, data: DataShape, device: torch.device):
+        """generate() (transformers 5.17-5.23) reads two things from values that fake tensors cannot give:
+        the M-RoPE positions of the prompt (`get_rope_index`, fresh aranges per image) and, before the
+        prefill, the image features through `get_image_features(pixel_values, image_grid_thw)` alone, so
+        Qwen2.5-VL's vision tower would compute its window index itself. In the context both come from the
+        collator, as for the training forward: get_rope_index returns the batch's positions and the rope
+        delta of `mrope_position_ids` (what transformers computes, checked in the tests), and
+        get_image_features gets the family's vision_inputs. On every backend, so cpu and estimate run the
+        same program. attention_mask is left out (every prompt fills lm_max_length): generate then makes
+        its own all-ones mask, as a real run with TRL's all-ones mask keeps."""
+        import contextlib
+        import functools
+
+        batch = self.batch(data, device)
+        positions = self._sample(data)[3]
+        delta = max(max(row) for row in positions) + 1 - len(positions[0])  # next position - length
+        deltas = constant_tensor([[delta]] * data.batch_size, device)
+        window = {k: batch.pop(k) for k in list(batch) if k.startswith("image_") and k != "image_grid_thw"}
+        position_ids = batch.pop("position_ids")
+        batch.pop("labels")
+
+        @contextlib.contextmanager
+        def context():
+            inner = model.model
+            inner.get_rope_index = lambda input_ids, **_: (position_ids, deltas)
+            inner.get_image_features = functools.partial(inner.get_image_features, **window)
+            try:
+                yield
+            finally:
+                del inner.get_rope_index, inner.get_image_features  # back to the class's methods
+                inner.rope_deltas = None
+
+        return batch, context()
+
 
 def pixel_bounds_of(preprocessor: dict) -> tuple[int, int]:
     """(min_pixels, max_pixels) of a Qwen preprocessor_config.json: older files name them, newer ones (and

@@ -1,0 +1,115 @@
+"""What every measured step shares: the meter interface, the report it fills, the phase clock that closes
+a phase's peak window, the optimizer as CUDA would make it, and the autocast factory.
+
+A phase mark resets the peak at each boundary, so each phase has its own peak and the max over all phases
+of all steps is the peak over the whole run (what measure_vram.py's max_memory_allocated reports).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+
+
+class Meter(Protocol):
+    def sync(self) -> None:
+        """Wait until queued device work is done, so the figures below include it."""
+
+    def current(self) -> int:
+        """Bytes allocated now."""
+
+    def peaks(self) -> dict[str, int]:
+        """Peak figures since the last reset_peak(); 'allocated' is always there."""
+
+    def reset_peak(self) -> None:
+        """Start a new peak window at the current figures."""
+
+
+@dataclass
+class StepReport:
+    peaks: dict[str, int] = field(default_factory=dict)  # each peak figure over all steps
+    last_step_peaks: dict[str, int] = field(default_factory=dict)  # each peak figure over the last step
+    phase_peaks: dict[str, int] = field(default_factory=dict)  # peak allocated per phase, max over steps
+    peak_phase: str = ""  # the phase that holds the overall allocated peak
+    activations_bytes: int = 0  # bytes the last forward left live for backward (saved tensors, logits, loss)
+    after_step_bytes: int = 0  # allocated once the last optimizer step is done: what the loop carries into the next step
+    grads_bytes: int = 0
+    optimizer_state_bytes: int = 0
+    optimizer_state_dtype: str = ""  # dtypes of the optimizer state tensors, e.g. "float32"
+    step_time_s: float = 0.0  # wall time of the last step
+
+
+class PhaseClock:
+    """Closes phases of one run: each close reads the peak since the last one into the report's phase peak
+    (max over steps) and the current step's peaks, then opens a new window."""
+
+    def __init__(self, meter: Meter, report: StepReport):
+        self.meter, self.report = meter, report
+        self.step_peaks: dict[str, int] = {}
+        meter.sync()
+        meter.reset_peak()  # the first window opens after load: the model and batch are in `current`
+
+    def close(self, phase: str) -> None:
+        self.meter.sync()  # kernels queued in this phase must be done before the peak is read
+        peaks = self.meter.peaks()
+        self.report.phase_peaks[phase] = max(self.report.phase_peaks.get(phase, 0), peaks["allocated"])
+        for key, value in peaks.items():
+            self.step_peaks[key] = max(self.step_peaks.get(key, 0), value)
+        self.meter.reset_peak()
+
+    def end_step(self, seconds: float) -> None:
+        """The optimizer step is done: its peaks become the last step's, and count toward the run's."""
+        self.report.step_time_s = seconds
+        self.report.last_step_peaks = self.step_peaks
+        for key, value in self.step_peaks.items():
+            self.report.peaks[key] = max(self.report.peaks.get(key, 0), value)
+        self.step_peaks = {}
+
+    def finish(self, engine) -> None:
+        """What stays between steps (weights, optimizer state, gradients not yet zeroed, the engine's
+        persistent buffers, held outputs), read after the last step once its queued kernels are done; the
+        phase of the peak; the optimizer state."""
+        report = self.report
+        self.meter.sync()
+        report.after_step_bytes = self.meter.current()
+        report.peak_phase = max(report.phase_peaks, key=lambda p: report.phase_peaks[p])
+        state = engine.state_tensors()
+        report.optimizer_state_bytes = sum(t.untyped_storage().nbytes() for t in state)
+        report.optimizer_state_dtype = ",".join(sorted({str(t.dtype).removeprefix("torch.") for t in state}))
+
+
+def make_optimizer(partial, params) -> tuple[torch.optim.Optimizer, str]:
+    """Instantiate the optimizer with the implementation CUDA would pick, and a label for the row.
+
+    torch picks foreach kernels by default only for CUDA tensors; to make every backend run what CUDA runs,
+    an optimizer that takes `foreach` and is given neither `foreach` nor `fused` gets foreach=True.
+    """
+    accepted = inspect.signature(partial.func).parameters
+    chosen = {k: partial.keywords.get(k) for k in ("foreach", "fused") if k in accepted}
+    if "foreach" in chosen and all(v is None for v in chosen.values()):
+        partial.keywords["foreach"] = True
+        chosen["foreach"] = True
+    impl = next((k for k, v in chosen.items() if v), "single_tensor" if chosen else "")  # foreach=False: one at a time
+    name = partial.func.__name__
+    return partial(params), f"{name}({impl})" if impl else name
+
+
+def state_tensors(optimizer: torch.optim.Optimizer, device_type: str) -> list[torch.Tensor]:
+    """Optimizer state tensors (not AdamW's scalar `step` counters, which CUDA keeps on the CPU)."""
+    return [
+        t
+        for state in optimizer.state.values()
+        for t in state.values()
+        if isinstance(t, torch.Tensor) and t.device.type == device_type and t.dim() > 0
+    ]
+
+
+def autocast_factory(device_type: str, dtype: torch.dtype | None):
+    """A zero-arg factory of the forward's autocast context (a no-op context without autocast)."""
+    if dtype is None:
+        return contextlib.nullcontext
+    return lambda: torch.autocast(device_type, dtype=dtype)

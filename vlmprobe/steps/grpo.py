@@ -1,0 +1,179 @@
+"""The GRPO step (step=grpo), as TRL's GRPOTrainer runs it (trl 1.16, trainer/grpo_trainer.py; the logits
+path of TRL 0.17, which VLM-R1 pins, is `step.logits=logits_to_keep`). Per optimizer step:
+
+1. generate: the prompts of the whole generation batch (per_device_train_batch_size x gradient accumulation
+   rows: TRL's steps_per_generation defaults to the accumulation steps, and each prompt with its image is
+   repeated num_generations times among them) are completed by the policy's own generate under no_grad
+   (vlmprobe.steps.rollout). With use_vllm a vLLM server generates: the phase is absent on this GPU.
+2. reference: with beta > 0, the frozen reference model (a copy of the policy in the policy's weight dtype;
+   with LoRA the policy with its adapters disabled, as TRL uses a PEFT model) scores the completions under
+   no_grad, per_device_train_batch_size rows at a time; its per-token log-probabilities [rows, C] float32
+   stay for the loss. _generate_and_score_completions.
+3. forward / backward per micro batch (prompt + completion rows): per-token log-probabilities and entropy
+   through the logits path (vlmprobe.steps.logprob), the loss of _compute_loss with loss_type grpo
+   (clipped ratio, + beta x KL), divided by the accumulation steps; backward.
+4. optimizer: the step after the last micro batch.
+
+Gradients are zeroed before the rollout: the HF Trainer zeroes them right after each optimizer step, so
+none live while the next generation runs. Rewards are what the loss gets as advantages ([rows] float32, a
+constant reward: zero advantages, which allocate the same as any others). TRL's own bookkeeping (prompt /
+completion masks of the generation batch, reward tensors, metrics) is a few [rows, C] integer tensors.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from vlmprobe.errors import ConfigError
+from vlmprobe.steps import logprob
+from vlmprobe.steps.common import Meter, PhaseClock, StepReport
+from vlmprobe.steps.rollout import ROLLOUTS, rollout
+
+if TYPE_CHECKING:  # steps sit below models in the layering: the shape is passed in, never built here
+    from vlmprobe.models.base import DataShape
+
+PHASES = ("generate", "reference", "forward", "backward", "optimizer")
+VLLM_MODES = ("server", "colocate")  # TRL's vllm_mode
+EPSILON = 0.2  # TRL's clipping range (epsilon, epsilon_high default to it)
+
+
+@dataclass(frozen=True)
+class GRPOSettings:
+    """conf/step/grpo.yaml, validated (`from_config`)."""
+
+    num_generations: int
+    max_completion_length: int
+    beta: float
+    use_vllm: bool
+    vllm_mode: str
+    num_processes: int
+    logits: str
+    compact: bool
+    rollout: str
+
+    @classmethod
+    def from_config(cls, step: dict, data: "DataShape", accum: int, backend: str, spec) -> "GRPOSettings":
+        """One ConfigError line per value TRL (or vlmprobe) refuses, before anything is built."""
+        values = {f.name: step[f.name] for f in dataclasses.fields(cls)}
+        for key in ("num_generations", "max_completion_length", "num_processes"):
+            value = values[key]
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ConfigError(f"step.{key}={value!r} is not allowed: it must be an integer >= 1")
+        if values["num_generations"] < 2:
+            raise ConfigError(f"step.num_generations={values['num_generations']} is not allowed: TRL's GRPOConfig "
+                              f"requires at least 2 (\"GRPO requires at least 2 generations per prompt to calculate "
+                              f"the advantages\")")
+        generation_batch = data.batch_size * values["num_processes"] * accum
+        if generation_batch % values["num_generations"]:
+            raise ConfigError(
+                f"step.num_generations={values['num_generations']} is not allowed with data.batch_size="
+                f"{data.batch_size} (per_device_train_batch_size), train.grad_accum_steps={accum} and "
+                f"step.num_processes={values['num_processes']}: TRL's GRPOConfig says \"generation_batch_size "
+                f"({generation_batch}) must be divisible by num_generations ({values['num_generations']})\" "
+                f"(generation_batch_size = per_device_train_batch_size x processes x steps_per_generation, which "
+                f"defaults to gradient_accumulation_steps)")
+        beta = values["beta"]
+        if not isinstance(beta, (int, float)) or isinstance(beta, bool) or beta < 0:
+            raise ConfigError(f"step.beta={beta!r} is not allowed: the KL coefficient must be a number >= 0")
+        for key in ("use_vllm", "compact"):
+            if not isinstance(values[key], bool):
+                raise ConfigError(f"step.{key}={values[key]!r} is not allowed: use true or false")
+        if values["vllm_mode"] not in VLLM_MODES:
+            raise ConfigError(f"step.vllm_mode={values['vllm_mode']!r} is not allowed: use server")
+        if values["use_vllm"] and values["vllm_mode"] == "colocate":
+            raise ConfigError(f"step.vllm_mode=colocate is not allowed (backend {backend}): colocated vLLM shares the "
+                              f"training GPU through its own allocator (gpu_memory_utilization x the card), which "
+                              f"no backend here can tell; use vllm_mode=server (generation on other GPUs)")
+        if values["logits"] not in logprob.LOGITS_PATHS:
+            raise ConfigError(f"step.logits={values['logits']!r} is not allowed: use one of "
+                              f"{', '.join(logprob.LOGITS_PATHS)}")
+        if values["rollout"] not in ROLLOUTS:
+            raise ConfigError(f"step.rollout={values['rollout']!r} is not allowed: use one of {', '.join(ROLLOUTS)}")
+        if not spec.can_generate:
+            spec.generation_inputs(None, data, None)  # raises the family's one line
+        return cls(**values)
+
+
+def log_probs(settings: GRPOSettings, model, batch: dict, completion: int, with_entropy: bool):
+    if settings.logits == "chunked":
+        return logprob.chunked(model, batch, completion, settings.compact, with_entropy)
+    return logprob.logits_to_keep(model, batch, completion)
+
+
+def grpo_loss(settings: GRPOSettings, logps, ref_logps, mask, advantages, accum: int) -> torch.Tensor:
+    """_compute_loss, loss_type grpo, token-level importance sampling, num_iterations 1 (old = current)."""
+    old = logps.detach()
+    coef_1 = torch.exp(logps - old)
+    coef_2 = torch.clamp(coef_1, 1 - EPSILON, 1 + EPSILON)
+    per_token = -torch.min(coef_1 * advantages.unsqueeze(1), coef_2 * advantages.unsqueeze(1))
+    if settings.beta:
+        kl = torch.exp(ref_logps - logps) - (ref_logps - logps) - 1
+        per_token = per_token + settings.beta * kl
+    loss = ((per_token * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).mean()
+    return loss / accum
+
+
+def policy_batch(spec, rows: int, data: "DataShape", completion: int, device) -> dict:
+    """Prompt + completion rows as the policy's forward gets them, with TRL's labels: the input ids with
+    everything before the completion set to -100."""
+    batch = spec.batch(dataclasses.replace(data, batch_size=rows, lm_max_length=data.lm_max_length + completion), device)
+    labels = batch["input_ids"].clone()
+    labels[:, :-completion] = -100
+    batch["labels"] = labels
+    return batch
+
+
+def grpo_steps(spec, engine, reference, data: "DataShape", device, meter: Meter, steps: int, autocast,
+               report: StepReport, accum: int, settings: GRPOSettings, disabled_adapters) -> None:
+    """`reference`: the frozen reference model, or None (beta = 0, or LoRA: `disabled_adapters()` is the
+    context in which the policy is its own reference)."""
+    clock = PhaseClock(meter, report)
+    rows, completion = data.batch_size, settings.max_completion_length
+    buffered = None  # TRL's _buffered_inputs: one step's scored rollout, alive until the next one replaces it
+    for _ in range(steps):
+        started = time.perf_counter()
+        engine.zero_grad()
+        # the first window of the step opens here, not at the last optimizer step's close: until zero_grad the
+        # previous step's gradients were still alive (the optimizer phase's figure has them), and the
+        # generate phase's peak is the rollout's own
+        meter.reset_peak()
+        if not settings.use_vllm:
+            with autocast():  # accelerate wraps the prepared model's forward in autocast, generate included
+                # the ids die here: TRL turns them into lists and pads them again below
+                rollout(spec, engine.model, dataclasses.replace(data, batch_size=rows * accum), device, completion,
+                        settings.rollout)
+            clock.close("generate")
+        batches = [policy_batch(spec, rows, data, completion, device) for _ in range(accum)]
+        mask = torch.ones(rows * accum, completion, dtype=torch.int32, device=device).split(rows)
+        advantages = torch.zeros(rows * accum, dtype=torch.float32, device=device).split(rows)
+        ref_logps = [None] * accum
+        if settings.beta:
+            scorer = reference if reference is not None else engine.model
+            with torch.no_grad(), autocast(), (disabled_adapters() if reference is None else contextlib.nullcontext()):
+                ref_logps = [log_probs(settings, scorer, b, completion, with_entropy=False)[0] for b in batches]
+            clock.close("reference")
+        buffered = (batches, mask, advantages, ref_logps)  # the previous step's rollout dies here
+        for i in range(accum):
+            before_forward = meter.current()
+            with autocast():
+                logps, entropy = log_probs(settings, engine.model, batches[i], completion, with_entropy=True)
+                loss = grpo_loss(settings, logps, ref_logps[i], mask[i], advantages[i], accum)
+            del logps, entropy
+            report.activations_bytes = meter.current() - before_forward
+            clock.close("forward")
+            engine.backward(loss)
+            del loss
+            clock.close("backward")
+        report.grads_bytes = engine.grads_bytes()
+        engine.step()
+        clock.close("optimizer")
+        del batches, mask, advantages, ref_logps  # `buffered` keeps them
+        clock.end_step(time.perf_counter() - started)
+    clock.finish(engine)
+    del buffered

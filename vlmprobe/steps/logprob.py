@@ -1,0 +1,127 @@
+"""Per-token log-probabilities of the completion tokens: the two logits paths TRL has had.
+
+`chunked` (TRL >= 1.x; followed here: trl 1.16 trainer/utils.py add_fused_lm_head and
+kernels/chunked_logprob.py ChunkedLogProbFunction): the backbone's last hidden state is projected through
+the LM head in tiles of 4096 tokens x 32768 vocabulary columns into one reused buffer, and folded into
+online-logsumexp statistics; no [tokens, vocab] tensor ever lives. Its backward recomputes each tile and
+accumulates grad_hidden and grad_weight in float32 (a [vocab, hidden] float32 buffer for a trained head).
+On CUDA the fold is a Triton kernel that works in place on the tile and the statistics, and only the
+completion positions are projected (`compact`); without Triton (the CPU) TRL folds with torch ops and
+projects every position. This module allocates what the CUDA path allocates, op for op; the fold and the
+bf16 -> fp32 accumulation (CUDA's addmm with out_dtype, in place) allocate nothing on CUDA, so they are
+left out (values do not change memory). `compact=False` projects every position, as TRL does on the CPU.
+
+`logits_to_keep` (TRL 0.17, what VLM-R1 pins): the model's own head over the last C + 1 positions gives
+[rows, C + 1, vocab] logits in the compute dtype; the last is dropped, the rest divided by the temperature
+(a copy) and turned into log-probabilities row by row (selective_log_softmax: gather + logsumexp per row in
+float32, log_softmax per row otherwise), so backward keeps those logits and each row's softmax.
+"""
+
+from __future__ import annotations
+
+import torch
+
+TOKEN_CHUNK = 4096  # tokens per projection tile (TOKEN_CHUNK_SIZE)
+VOCAB_CHUNK = 32768  # vocabulary columns per tile (_CHUNKED_LOGPROB_CHUNK_SIZE)
+STATISTICS = 7  # float32 vectors of N the forward keeps while it folds (max, sums, target logit, ...)
+LOGITS_PATHS = ("chunked", "logits_to_keep")
+
+
+class ChunkedLogProb(torch.autograd.Function):
+    """ChunkedLogProbFunction's allocations on CUDA: (log_probs, entropy) of `hidden @ weight.T` at `targets`."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, targets, with_entropy: bool):
+        n, device = hidden.shape[0], hidden.device
+        compute = torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type) else hidden.dtype
+        stats = [torch.zeros(n, device=device, dtype=torch.float32) for _ in range(STATISTICS)]
+        buf = torch.empty(min(n, TOKEN_CHUNK), VOCAB_CHUNK, device=device, dtype=compute)
+        _project(hidden, weight, compute, buf, lambda tile, rows, cols, chunk, w: None)
+        del buf
+        log_z = stats[0] + torch.log(stats[1])  # running max + log(sum exp)
+        log_probs = stats[6] - log_z  # target logit - log Z
+        entropy = log_z - stats[2] / stats[1] if with_entropy else None
+        del stats
+        ctx.save_for_backward(hidden, weight, targets, log_z, log_z if entropy is None else entropy)
+        ctx.compute = compute
+        return log_probs, entropy
+
+    @staticmethod
+    def backward(ctx, grad_log_probs, grad_entropy):
+        hidden, weight, _, _, _ = ctx.saved_tensors
+        needs_hidden, needs_weight = ctx.needs_input_grad[:2]
+        grad_hidden = torch.zeros(hidden.shape, device=hidden.device, dtype=torch.float32) if needs_hidden else None
+        grad_weight = torch.zeros(weight.shape, device=weight.device, dtype=torch.float32) if needs_weight else None
+        buf = torch.empty(min(hidden.shape[0], TOKEN_CHUNK), VOCAB_CHUNK, device=hidden.device, dtype=ctx.compute)
+        incoming = [g.float().contiguous() for g in (grad_log_probs, grad_entropy) if g is not None]  # live through the loop
+
+        def accumulate(tile, rows, cols, hidden_chunk, w_chunk):
+            # the fold turns the tile into d(loss)/d(logits) in place; then grad_hidden[rows] += tile @ w_chunk
+            # and grad_weight[cols] += tile.T @ hidden_chunk, in float32 accumulators
+            if grad_hidden is not None and tile.dtype == torch.float32:
+                grad_hidden[rows].addmm_(tile, w_chunk)
+            if grad_weight is not None and tile.dtype == torch.float32:
+                grad_weight[cols].addmm_(tile.t(), hidden_chunk)
+
+        _project(hidden, weight, ctx.compute, buf, accumulate)
+        del buf, incoming
+        return (grad_hidden.to(hidden.dtype) if grad_hidden is not None else None,
+                grad_weight.to(weight.dtype) if grad_weight is not None else None, None, None)
+
+
+def _project(hidden, weight, compute, buf, fold) -> None:
+    """Every [token chunk, vocab chunk] tile of hidden @ weight.T into `buf`, handed to `fold`. The chunks
+    are cast to the compute dtype first (a copy where the dtype differs, as `.to` makes)."""
+    n, vocab = hidden.shape[0], weight.shape[0]
+    for start in range(0, n, TOKEN_CHUNK):
+        rows = slice(start, min(start + TOKEN_CHUNK, n))
+        hidden_chunk = hidden[rows].to(compute)
+        for first in range(0, vocab, VOCAB_CHUNK):
+            cols = slice(first, min(first + VOCAB_CHUNK, vocab))
+            w_chunk = weight[cols].to(compute)
+            tile = buf[: rows.stop - rows.start, : cols.stop - cols.start]
+            torch.mm(hidden_chunk, w_chunk.t(), out=tile)
+            fold(tile, rows, cols, hidden_chunk, w_chunk)
+
+
+def chunked(model, batch: dict, completion: int, compact: bool, with_entropy: bool):
+    """(log_probs, entropy) [rows, completion] through TRL's fused LM head (add_fused_lm_head's forward):
+    the backbone, then the head over the scored positions."""
+    inputs = {k: v for k, v in batch.items() if k != "labels"}
+    hidden = model.model(**inputs, attention_mask=None, use_cache=False).last_hidden_state  # (B, L, H)
+    rows, length, width = hidden.shape
+    labels = batch["labels"]
+    if compact:  # hidden_states[mask], labels[mask]: the completion positions, gathered into new tensors
+        states = fresh(hidden[:, length - 1 - completion:length - 1].reshape(-1, width))
+        targets = fresh(labels[:, length - completion:].reshape(-1))
+    else:  # every position: hidden_states.reshape(-1, H) of the shifted states
+        states = hidden[:, :-1].reshape(-1, width)
+        targets = labels[:, 1:].clamp(min=0).reshape(-1)
+    log_probs, entropy = ChunkedLogProb.apply(states, model.lm_head.weight, targets, with_entropy)
+    mask = labels[:, 1:] != -100
+    if compact:  # x.new_zeros(mask.shape).masked_scatter(mask, x)
+        per_token = [None if x is None else x.new_zeros(mask.shape).masked_scatter(mask, x) for x in (log_probs, entropy)]
+    else:  # x.view(mask.shape).masked_fill(~mask, 0)
+        per_token = [None if x is None else x.view(mask.shape).masked_fill(~mask, 0) for x in (log_probs, entropy)]
+    return tuple(None if x is None else x[:, -completion:] for x in per_token)
+
+
+def fresh(t: torch.Tensor) -> torch.Tensor:
+    """`t` as a tensor of its own, as boolean-mask indexing always returns: reshape copies a strided slice
+    already, and returns a view of a contiguous one (one row), which is copied here."""
+    return t.clone() if t._base is not None else t
+
+
+def logits_to_keep(model, batch: dict, completion: int, temperature: float = 1.0):
+    """(log_probs, None) [rows, completion] as TRL 0.17's _get_per_token_logps: logits of the last C + 1
+    positions, the last dropped, divided by the temperature, selective_log_softmax."""
+    inputs = {k: v for k, v in batch.items() if k != "labels"}
+    logits = model(**inputs, attention_mask=None, use_cache=False, logits_to_keep=completion + 1).logits
+    logits = logits[:, :-1] / temperature
+    index = batch["input_ids"][:, -completion:]
+    if logits.dtype in (torch.float32, torch.float64):
+        selected = torch.gather(logits, dim=-1, index=index.unsqueeze(-1)).squeeze(-1)
+        log_z = torch.stack([torch.logsumexp(row, dim=-1) for row in logits])
+        return selected - log_z, None
+    rows = [torch.log_softmax(row, dim=-1).gather(-1, ids.unsqueeze(-1)).squeeze(-1) for row, ids in zip(logits, index)]
+    return torch.stack(rows), None

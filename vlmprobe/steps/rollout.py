@@ -1,0 +1,115 @@
+"""The rollout of a GRPO step: the policy generates `max_completion_length` tokens for every row with the
+model's own `generate`, under no_grad, as TRL's GRPOTrainer does (trl 1.16 grpo_trainer.py,
+_generate_single_turn, regular transformers path): sampling (do_sample, temperature 1, top_p 1, top_k 0),
+the image token suppressed, gradient checkpointing switched off for the call (unwrap_model_for_generation;
+with it on, transformers would drop the KV cache). Every row is forced to the full length
+(min_new_tokens = max_new_tokens: EOS is masked out), the worst case a run reaches.
+
+Two ways to run it, the same peak:
+- `full`: generate(max_new_tokens=C), token by token, as TRL does.
+- `last_step` (the default): what the full loop holds at its two extremes, without the C - 2 decode steps in
+  between. The memory of a decode step grows with the KV cache, and nothing else in the loop grows faster,
+  so the peak is at the prefill (vision tower, prompt activations) or at the last decode step. Here a first
+  generate call runs the real prefill (and the image encoding before it) and samples one token; the KV
+  cache is then grown in place of the C - 2 middle steps to the length it has before the last step (one
+  allocation per layer, as each decode step's torch.cat makes one); a second generate call continues from
+  that cache with the prompt plus C - 1 tokens and runs the last decode step for real. The image features
+  generate keeps in its kwargs through the whole loop are kept alive through the second call as well.
+  With transformers' DynamicCache each step's cat allocates the grown K and V and frees the old ones: the
+  figures of the last step are the same whichever way the cache got there (tests/test_grpo.py compares
+  both on the cpu backend).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+
+import torch
+
+ROLLOUTS = ("last_step", "full")
+
+
+@contextlib.contextmanager
+def checkpointing_off(model: torch.nn.Module):
+    """Gradient checkpointing off for generation (TRL's unwrap_model_for_generation), back on after."""
+    layers = [m for m in model.modules() if getattr(m, "gradient_checkpointing", False)]
+    for m in layers:
+        m.gradient_checkpointing = False
+    try:
+        yield
+    finally:
+        for m in layers:
+            m.gradient_checkpointing = True
+
+
+@contextlib.contextmanager
+def stop_after(model: torch.nn.Module, tokens: int):
+    """generate's loop stops after exactly `tokens` tokens. It asks `_has_unfinished_sequences` before each
+    token (transformers 5.17-5.23 _sample: the first pass samples from the prefill); that answer comes from
+    reading whether any row is unfinished, which fake tensors cannot give (the tracker answers "not
+    finished", so the loop would never end). With every row forced to the full length the real answer is
+    "unfinished" for exactly `tokens` passes: the count gives it on every backend."""
+    left = [tokens]
+
+    def has_unfinished_sequences(this_peer_finished, synced_gpus, device):
+        left[0] -= 1
+        return left[0] >= 0
+
+    model._has_unfinished_sequences = has_unfinished_sequences
+    try:
+        yield
+    finally:
+        del model._has_unfinished_sequences
+
+
+def generation_config(spec, new_tokens: int) -> dict:
+    """TRL's generation kwargs (GRPOTrainer.__init__, trl 1.16) with the full length forced."""
+    eos = spec.token_ids["eos_token_id"]
+    return {"max_new_tokens": new_tokens, "min_new_tokens": new_tokens, "do_sample": True, "temperature": 1.0,
+            "top_p": 1.0, "top_k": 0, "pad_token_id": eos, "eos_token_id": eos,
+            "suppress_tokens": [spec.token_ids["image_token_id"]], "use_cache": True}
+
+
+def rollout(spec, model, data, device, completion_length: int, how: str) -> torch.Tensor:
+    """(rows, prompt + completion) ids the policy generated for one synthetic prompt batch of `data`."""
+    kwargs, context = spec.generation_inputs(model, data, device)
+    with torch.no_grad(), checkpointing_off(model), context:
+        if how == "full" or completion_length < 3:  # nothing between the first and the last step to skip
+            with stop_after(model, completion_length):
+                return model.generate(**kwargs, **generation_config(spec, completion_length))
+        return _last_step(model, spec, kwargs, completion_length)
+
+
+def _last_step(model, spec, kwargs: dict, completion_length: int) -> torch.Tensor:
+    from transformers import DynamicCache
+
+    features = []  # the image features generate encodes before the prefill and holds until it returns
+    encode = model.model.get_image_features
+
+    @functools.wraps(encode)  # generate picks the encoder's inputs by its signature
+    def get_image_features(*args, **kw):
+        features.append(encode(*args, **kw))
+        return features[-1]
+
+    model.model.get_image_features = get_image_features  # an instance attribute over the context's own
+    try:
+        with stop_after(model, 1):
+            first = model.generate(**kwargs, **generation_config(spec, 1), return_dict_in_generate=True)
+    finally:
+        model.model.get_image_features = encode
+    cache: DynamicCache = first.past_key_values
+    grow = completion_length - 2  # tokens the skipped middle steps would have added to the cache
+    for layer in cache.layers:
+        layer.keys = torch.cat([layer.keys, layer.keys.new_zeros(*layer.keys.shape[:2], grow, layer.keys.shape[3])], dim=-2)
+        layer.values = torch.cat([layer.values, layer.values.new_zeros(*layer.values.shape[:2], grow, layer.values.shape[3])], dim=-2)
+    ids = first.sequences
+    del first
+    # the sequence before the last step: prompt + C - 1 tokens, of which the cache holds all but the newest
+    ids = torch.cat([ids, ids[:, -1:].expand(-1, grow)], dim=1)
+    rest = {k: torch.cat([v, v.new_zeros(v.shape[0], ids.shape[1] - v.shape[1])], dim=1)
+            for k, v in kwargs.items() if k.endswith("token_type_ids")}  # text from here on
+    with stop_after(model, 1):
+        out = model.generate(input_ids=ids, past_key_values=cache, **rest, **generation_config(spec, 1))
+    features.clear()  # generate has returned: the image features it held go now
+    return out
