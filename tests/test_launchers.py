@@ -35,6 +35,7 @@ def results_dir(root: Path) -> Path:
     return found
 
 
+@pytest.mark.slow  # ~40 s; CI keeps pool through the Ctrl-C test and launcher == local rows through submitit's
 def test_pool_gives_the_rows_local_gives(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     assert main([*SMOKE, f"results_dir={tmp_path / 'local'}"]) == 0  # launcher=local, the default
