@@ -140,13 +140,21 @@ def test_ddp_ranks_hold_the_model_and_a_bucket_copy_of_its_grads(run_dist, point
     assert ddp["after_load_bytes"] - single["after_load_bytes"] >= single["params_bytes"]
 
 
+def without_deepspeed(monkeypatch):
+    """importlib finds no DeepSpeed; every other module as before (libraries look theirs up lazily)."""
+    find_spec = options.importlib.util.find_spec
+    monkeypatch.setattr(options.importlib.util, "find_spec",
+                        lambda name, *args: None if name == "deepspeed" else find_spec(name, *args))
+
+
 def test_zero_points_are_skipped_saying_how_to_get_deepspeed_where_it_is_missing(plan_points, monkeypatch):
-    monkeypatch.setattr(options.importlib.util, "find_spec", lambda name: None)
+    without_deepspeed(monkeypatch)
     (planned,) = plan_points(["model=nanovlm_tiny", *TINY, "dist=zero3", "measure.backend=estimate"])
     assert planned.skip == 'dist=zero3 needs DeepSpeed, not installed here: pip install -e ".[deepspeed]"'
 
 
-def test_offload_is_skipped_where_host_and_device_memory_are_one(plan_points):
+def test_offload_is_skipped_where_host_and_device_memory_are_one(plan_points, monkeypatch):
+    without_deepspeed(monkeypatch)  # the reason is the same with or without DeepSpeed
     (planned,) = plan_points(["model=nanovlm_tiny", *TINY, "dist=zero3", "dist.offload_optimizer=cpu",
                               "measure.backend=estimate"])
     assert planned.skip.startswith("dist.offload_optimizer=cpu needs backend cuda")
