@@ -110,6 +110,8 @@ BAD_INPUT = {
                                      "is not allowed: submitit says: Unknown argument 'partitio' for executor 'slurm'"),
     "a parameter of the wrong type": (["launcher=submitit", "launcher.cluster=local", "launcher.parameters.timeout_min=1.5"],
                                       'submitit says: Parameter "timeout_min" expected type'),
+    "an unknown submitit cluster": (["launcher=submitit", "launcher.cluster=slurmm"],
+                                    "launcher.cluster='slurmm' is not allowed: use slurm"),
     "no points per job": (["launcher=submitit", "launcher.cluster=local", "launcher.points_per_job=0"],
                           "launcher.points_per_job=0 is not allowed: give an integer >= 1"),
     "pool of points that are not isolated": (["model=nanovlm_tiny", "launcher=pool", "measure.isolate=false"],

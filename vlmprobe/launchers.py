@@ -184,15 +184,12 @@ def set_parameters(made, parameters: dict) -> None:
 
 def check_submitit(launcher: dict) -> None:
     """Every submitit option, checked before anything runs: the package, the cluster, the parameters (by
-    submitit itself, on a local executor, which knows every cluster's parameter names)."""
+    submitit itself: any of its executors knows every cluster's parameter names)."""
     per_job = launcher.get("points_per_job")
     if not isinstance(per_job, int) or isinstance(per_job, bool) or per_job < 1:
         raise ConfigError(f"launcher.points_per_job={per_job!r} is not allowed: give an integer >= 1")
     with tempfile.TemporaryDirectory() as tmp:
-        if launcher.get("cluster") == "slurm":
-            executor(launcher, Path(tmp))  # refuses off a SLURM cluster, or a parameter SLURM's executor refuses
-        else:
-            executor({**launcher, "cluster": "local"}, Path(tmp))
+        executor(launcher, Path(tmp))  # refuses an unknown cluster, slurm off a SLURM cluster, a bad parameter
 
 
 def run_job(configs: list[dict], progress: str) -> list[dict]:

@@ -53,6 +53,13 @@ class PhaseClock:
         meter.sync()
         meter.reset_peak()  # the first window opens after load: the model and batch are in `current`
 
+    def open_step(self) -> None:
+        """Call after zero_grad: the step's first window opens here, not at the last optimizer step's close.
+        Until zero_grad the previous step's gradients were alive (the optimizer phase's figure has them); from
+        here the first phase's peak is its own. Nothing is allocated in between, so no peak is lost."""
+        self.meter.sync()
+        self.meter.reset_peak()
+
     def close(self, phase: str) -> None:
         self.meter.sync()  # kernels queued in this phase must be done before the peak is read
         peaks = self.meter.peaks()

@@ -139,10 +139,7 @@ def grpo_steps(spec, engine, reference, data: "DataShape", device, meter: Meter,
     for _ in range(steps):
         started = time.perf_counter()
         engine.zero_grad()
-        # the first window of the step opens here, not at the last optimizer step's close: until zero_grad the
-        # previous step's gradients were still alive (the optimizer phase's figure has them), and the
-        # generate phase's peak is the rollout's own
-        meter.reset_peak()
+        clock.open_step()
         if not settings.use_vllm:
             with autocast():  # accelerate wraps the prepared model's forward in autocast, generate included
                 # the ids die here: TRL turns them into lists and pads them again below

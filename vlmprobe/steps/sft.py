@@ -28,6 +28,7 @@ def train_steps(spec, engine, batch, meter: Meter, steps: int, autocast, report:
     for _ in range(steps):
         started = time.perf_counter()
         engine.zero_grad()
+        clock.open_step()
         for _ in range(accum):
             before_forward = meter.current()
             with autocast():
