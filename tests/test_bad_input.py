@@ -135,7 +135,15 @@ BAD_INPUT = {
     "GRPO with a model that cannot generate": (["model=nanovlm_tiny", "step=grpo", "data.batch_size=4"],
                                                "step=grpo is not allowed with model=nanovlm_tiny: NanoVLMSpec cannot "
                                                "generate here"),
-    "GRPO sharded": (GRPO + ["dist=zero3"], "dist=zero3 is not allowed with step=grpo: the GRPO step runs on one GPU"),
+    "GRPO's fused head under ZeRO-3": (GRPO + ["dist=zero3"], "step.logits=chunked is not allowed with dist=zero3: "
+                                                             "TRL's fused LM head gathers the partitioned head itself"),
+    "GRPO processes other than the ranks": (GRPO + ["dist=fsdp2", "dist.world_size=4", "step.num_processes=2"],
+                                            "step.num_processes=2 is not allowed with dist.world_size=4: a sharded "
+                                            "point's processes are its ranks"),
+    "GRPO ranks that split a group": (GRPO + ["dist=fsdp2", "data.batch_size=1", "dist.world_size=2"],
+                                      "step.num_generations=4 is not allowed with data.batch_size=1 "
+                                      "(per_device_train_batch_size), train.grad_accum_steps=1 and "
+                                      "step.num_processes=2"),
 }
 
 

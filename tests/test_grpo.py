@@ -100,3 +100,53 @@ def test_lora_policy_is_its_own_reference():
 def test_every_knob_runs(extra):
     row = measure(config_of(TINY + ["measure.backend=estimate"] + extra))
     assert row["status"] == "ok" and row["peak_phase"] in PHASES
+
+
+# --- the GRPO step beside a sharded engine (dist=), as TRL runs it there: each rank generates with the
+# engine's parameters as unwrap_model_for_generation leaves them, the reference is prepared as
+# GRPOTrainer.__init__ prepares it (prepare_fsdp, prepare_deepspeed), the policy runs through the engine ---
+
+SHARDED = TINY + ["measure.steps=2", "dist.world_size=2"]
+# DeepSpeed buckets small enough that the tiny model's partitions set the figures (as tests/test_deepspeed.py)
+ZERO3 = ["dist=zero3", "step.logits=logits_to_keep", "dist.reduce_bucket_size=20000",
+         "dist.allgather_bucket_size=20000", "dist.stage3_prefetch_bucket_size=20000",
+         "dist.stage3_param_persistence_threshold=0", "dist.stage3_max_live_parameters=40000"]
+
+
+def sharded_ranks(overrides):
+    import os
+
+    from vlmprobe.distributed.ranks import measure_point
+
+    outputs = measure_point(config_of(SHARDED + overrides), measure, dict(os.environ))
+    assert outputs["status"] == "ok", outputs.get("error")
+    return {r["rank"]: r for r in outputs["ranks"]}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dist", [["dist=fsdp2"], ZERO3], ids=["fsdp2", "zero3"])
+def test_sharded_grpo_estimate_matches_real_gloo_ranks(dist):
+    if dist is ZERO3:
+        pytest.importorskip("deepspeed")
+    estimated = sharded_ranks(dist + ["measure.backend=estimate"])
+    real = sharded_ranks(dist + ["measure.backend=cpu"])
+    for rank, row in real.items():
+        simulated = phases(estimated[rank])
+        # generation within the same 2 KiB as on one GPU (see the test above)
+        assert {p: simulated[p] for p in PHASES[1:]} == {p: phases(row)[p] for p in PHASES[1:]}, rank
+        assert abs(simulated["generate"] - row["generate_peak_bytes"]) <= 2048
+
+
+@pytest.mark.slow
+def test_zero3_gathers_the_whole_model_for_generation():
+    pytest.importorskip("deepspeed")
+
+    def generate_peak(gather):
+        return sharded_ranks(ZERO3 + ["measure.backend=estimate", f"step.ds3_gather_for_generation={gather}"])[0][
+            "generate_peak_bytes"]
+
+    # gathered, every parameter is whole through generate: at least the other rank's half of all of them
+    # more than when ZeRO-3's hooks gather a few modules at a time (max_live 40,000 elements), at most all
+    spec = instantiate(OmegaConf.load(CONF / "model" / "qwen2_5_vl_tiny.yaml"), _convert_="all")
+    whole = sum(p.numel() * 4 for p in spec.build(torch.device("meta"), torch.float32, init=False).parameters())
+    assert whole // 2 <= generate_peak(True) - generate_peak(False) <= whole

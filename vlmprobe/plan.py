@@ -245,10 +245,17 @@ def validate_step(cfg: dict, data, spec):
         return None
     from vlmprobe.steps.grpo import GRPOSettings
 
-    if cfg["dist"]["name"] != "none":
-        raise ConfigError(f"dist={cfg['dist']['name']} is not allowed with step=grpo: the GRPO step runs on one GPU "
-                          f"(dist=none) for now; sharded GRPO (VLM-R1's ZeRO-3) is not modelled")
-    return GRPOSettings.from_config(cfg["step"], data, cfg["train"]["grad_accum_steps"], cfg["measure"]["backend"], spec)
+    dist = cfg["dist"]
+    sharded = dist["name"] != "none"
+    settings = GRPOSettings.from_config(cfg["step"], data, cfg["train"]["grad_accum_steps"], cfg["measure"]["backend"],
+                                        spec, world_size=dist["world_size"] if sharded else None)
+    if dist["name"] == "zero3" and settings.logits == "chunked":
+        # TRL gathers the ZeRO-3 partitioned head around its kernel (maybe_gather_lm_head_ctx), in forward
+        # and again in backward; vlmprobe's kernel does not
+        raise ConfigError("step.logits=chunked is not allowed with dist=zero3: TRL's fused LM head gathers the "
+                          "partitioned head itself, which is not modelled; use step.logits=logits_to_keep (TRL 0.17, "
+                          "VLM-R1's path)")
+    return settings
 
 
 def _visible_gpus() -> int:

@@ -116,12 +116,12 @@ def measure(point: dict) -> dict:
 
 def grpo_reference(spec, point: dict, engine):
     """GRPO's frozen reference model: a copy of the policy in its weight dtype (TRL loads it with the policy's
-    model_init_kwargs), no gradients, eval mode; None where there is none (beta = 0) or the policy is its own
+    model_init_kwargs), no gradients, eval mode, prepared as TRL prepares it beside the engine; None where there is none (beta = 0) or the policy is its own
     reference (LoRA: TRL disables the adapters)."""
     if not point["step"]["beta"] or point["train"]["lora_r"]:
         return None
     model = spec.build(engine.build_device, DTYPES[point["train"]["param_dtype"]], init=not engine.build_device_is_meta)
-    return model.requires_grad_(False).eval()
+    return engine.prepare_reference(spec, model.requires_grad_(False).eval())
 
 
 def _report_columns(report: StepReport) -> dict:

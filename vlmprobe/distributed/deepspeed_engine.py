@@ -25,6 +25,8 @@ Offload to the CPU is run on every backend, but only cuda tells host from device
 
 from __future__ import annotations
 
+import contextlib
+import copy
 import functools
 
 import torch
@@ -114,24 +116,64 @@ class DeepSpeedEngine(Engine):
     after load, so only the build's own transient differs)."""
 
     def prepare(self, spec, model, optimizer_partial) -> None:
-        import deepspeed
         from torch._subclasses.fake_tensor import FakeTensor
 
         answer_trace_checks_locally_on_fake_groups()
-        config = deepspeed_config(self.point, spec.text["hidden_size"])
+        self.config = deepspeed_config(self.point, spec.text["hidden_size"])
         params = [p for p in model.parameters() if p.requires_grad]
-        client = None if "optimizer" in config else make_optimizer(optimizer_partial, params)[0]
+        client = None if "optimizer" in self.config else make_optimizer(optimizer_partial, params)[0]
         self.fake = any(isinstance(p, FakeTensor) for p in params)
+        self.model, self.optimizer, _, _ = self.initialize(
+            model, self.config, optimizer=client, model_parameters=params if client is None else None)
+        self.accum, self.micro = self.config.get("gradient_accumulation_steps", 1), 0
+
+    def initialize(self, model, config: dict, **kwargs):
+        import deepspeed
+
         if self.fake:
             model.to = lambda *args, **kwargs: model  # change 1 of the module doc
         try:
-            self.model, self.optimizer, _, _ = deepspeed.initialize(
-                model=model, optimizer=client, model_parameters=params if client is None else None, config=config,
-                dist_init_required=False)
+            return deepspeed.initialize(model=model, config=config, dist_init_required=False, **kwargs)
         finally:
             if self.fake:
                 del model.to
-        self.accum, self.micro = config.get("gradient_accumulation_steps", 1), 0
+
+    @property
+    def module(self):
+        return self.model.module
+
+    @property
+    def stage(self) -> int:
+        """The ZeRO stage DeepSpeed runs (the user's JSON may name another than dist=)."""
+        return self.config["zero_optimization"].get("stage", 0)
+
+    @contextlib.contextmanager
+    def generating(self):
+        """ZeRO-3 with step.ds3_gather_for_generation (TRL's default): every parameter gathered whole for the
+        whole of generate, the engine's hooks off meanwhile (DeepSpeed's own unwrap_model_for_generation,
+        which TRL's follows); without it, generate runs through the hooks, gathering layer by layer."""
+        if self.stage == 3 and self.point["step"].get("ds3_gather_for_generation", True):
+            from deepspeed.runtime.zero import unwrap_model_for_generation
+
+            with unwrap_model_for_generation(self.model):
+                yield self.module
+        else:
+            yield self.module
+
+    def prepare_reference(self, spec, model):
+        """TRL's prepare_deepspeed: at ZeRO-3 the reference is a DeepSpeed inference engine of its own,
+        partitioned like the policy (its config without optimizer and optimizer offload);
+        at stages 1-2 DeepSpeed is disabled for it (stage 0): a whole copy per rank, as built."""
+        if self.stage != 3:
+            return model
+        config = copy.deepcopy(self.config)
+        config.pop("optimizer", None)
+        config.pop("scheduler", None)
+        config["zero_optimization"].pop("offload_optimizer", None)
+        # TRL also sets the bucket sizes from the hidden size, but under dotted top-level keys
+        # ("zero_optimization.reduce_bucket_size"), which DeepSpeed's config never reads: the policy's stay
+        engine, *_ = self.initialize(model, config)
+        return engine.eval()
 
     def zero_grad(self) -> None:
         self.model.zero_grad()

@@ -7,6 +7,11 @@ drives an engine and never asks which one it is:
     engine.zero_grad(); loss = spec.loss(engine.model, batch); engine.backward(loss); engine.step()
     engine.params_bytes(), engine.grads_bytes(), engine.state_tensors()   # for the row
 
+The GRPO step (vlmprobe.steps.grpo) asks two more things, each as TRL's GRPOTrainer does it beside that
+engine: `with engine.generating() as model: model.generate(...)` (trl models/utils.py
+unwrap_model_for_generation) and `engine.prepare_reference(spec, reference)` for its frozen reference model
+(GRPOTrainer.__init__: prepare_deepspeed, prepare_fsdp, or accelerator.prepare_model in evaluation mode).
+
 `none` is the single-GPU path exactly as it was; `ddp` and `fsdp2` are torch's own wrappers. A DeepSpeed
 engine plugs in as one more subclass: `prepare` calls deepspeed.initialize(model=..., optimizer=...) and
 keeps the returned engine; `backward` / `step` call engine.backward(loss) / engine.step(); `zero_grad`
@@ -14,6 +19,8 @@ is DeepSpeed's; the byte figures read its partitioned flat buffers. `NAMES` maps
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import torch
 from torch import nn
@@ -43,6 +50,21 @@ class Engine:
     @property
     def build_device(self) -> torch.device:
         return torch.device("meta") if self.build_device_is_meta else self.device
+
+    @property
+    def module(self) -> nn.Module:
+        """The model as built, inside whatever wraps it (generate and the LoRA adapters live there)."""
+        return self.model
+
+    @contextlib.contextmanager
+    def generating(self):
+        """The model generate runs on, its parameters as TRL's unwrap_model_for_generation leaves them."""
+        yield self.module
+
+    def prepare_reference(self, spec, model: nn.Module) -> nn.Module:
+        """GRPO's frozen reference model beside this engine's policy: here (and under DDP, zero1, zero2)
+        accelerate only places it on the device, a whole copy per rank."""
+        return model
 
     def prepare(self, spec, model: nn.Module, optimizer_partial) -> None:
         self.model = self.wrap(spec, model)
@@ -84,6 +106,10 @@ class DDPEngine(Engine):
 
         return DistributedDataParallel(model, bucket_cap_mb=self.dist["bucket_cap_mb"])
 
+    @property
+    def module(self):
+        return self.model.module
+
 
 def tower_blocks(spec, model: nn.Module) -> list[nn.Module]:
     """The transformer blocks of each tower, in tower order: the first ModuleList named `blocks`, `layers` or
@@ -108,6 +134,23 @@ class FSDP2Engine(Engine):
     build_device_is_meta = True
 
     def wrap(self, spec, model):
+        from torch.distributed.fsdp import register_fsdp_forward_method
+
+        model = self.shard(model, tower_blocks(spec, model))
+        # the HF Trainer's own fix for generate under FSDP2 (trainer.py, "got mixed torch.Tensor and DTensor"):
+        # generate runs the root's hooks as forward does, so the root's parameters are gathered for it
+        if hasattr(model, "generate"):
+            register_fsdp_forward_method(model, "generate")
+        return model
+
+    def prepare_reference(self, spec, model):
+        """TRL's prepare_fsdp (FSDP2): fully_shard on the reference's root alone, so its forward gathers the
+        whole model at once; the plugin's options (mixed precision, offload, reshard_after_forward) as the
+        policy's. Built on the meta device like the policy and materialised shard by shard."""
+        return self.shard(model, []).eval()
+
+    def shard(self, model, blocks: list[nn.Module]):
+        """fully_shard on each of `blocks`, then on the root, and the sharded model materialised."""
         from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
         from vlmprobe.distributed.process_group import mesh
@@ -120,9 +163,9 @@ class FSDP2Engine(Engine):
             options["offload_policy"] = CPUOffloadPolicy()
         if dist["reshard_after_forward"] is not None:
             options["reshard_after_forward"] = dist["reshard_after_forward"]
-        for block in tower_blocks(spec, model):
+        for block in blocks:
             fully_shard(block, **options)
-        fully_shard(model, **{k: v for k, v in options.items() if k != "reshard_after_forward"})
+        fully_shard(model, **{k: v for k, v in options.items() if k != "reshard_after_forward" or not blocks})
         model.to_empty(device=self.device)
         with torch.no_grad():  # weights do not change memory; filled so that a real run computes numbers
             for p in model.parameters():

@@ -56,15 +56,23 @@ class GRPOSettings:
     logits: str
     compact: bool
     rollout: str
+    ds3_gather_for_generation: bool
 
     @classmethod
-    def from_config(cls, step: dict, data: "DataShape", accum: int, backend: str, spec) -> "GRPOSettings":
-        """One ConfigError line per value TRL (or vlmprobe) refuses, before anything is built."""
+    def from_config(cls, step: dict, data: "DataShape", accum: int, backend: str, spec,
+                    world_size: int | None = None) -> "GRPOSettings":
+        """One ConfigError line per value TRL (or vlmprobe) refuses, before anything is built. `world_size`:
+        dist.world_size where the point is sharded (dist != none): the processes TRL counts are its ranks."""
         values = {f.name: step[f.name] for f in dataclasses.fields(cls)}
         for key in ("num_generations", "max_completion_length", "num_processes"):
             value = values[key]
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ConfigError(f"step.{key}={value!r} is not allowed: it must be an integer >= 1")
+        if world_size is not None:
+            if values["num_processes"] not in (1, world_size):
+                raise ConfigError(f"step.num_processes={values['num_processes']} is not allowed with dist.world_size="
+                                  f"{world_size}: a sharded point's processes are its ranks; leave it at 1")
+            values["num_processes"] = world_size
         if values["num_generations"] < 2:
             raise ConfigError(f"step.num_generations={values['num_generations']} is not allowed: TRL's GRPOConfig "
                               f"requires at least 2 (\"GRPO requires at least 2 generations per prompt to calculate "
@@ -81,7 +89,7 @@ class GRPOSettings:
         beta = values["beta"]
         if not isinstance(beta, (int, float)) or isinstance(beta, bool) or beta < 0:
             raise ConfigError(f"step.beta={beta!r} is not allowed: the KL coefficient must be a number >= 0")
-        for key in ("use_vllm", "compact"):
+        for key in ("use_vllm", "compact", "ds3_gather_for_generation"):
             if not isinstance(values[key], bool):
                 raise ConfigError(f"step.{key}={values[key]!r} is not allowed: use true or false")
         if values["vllm_mode"] not in VLLM_MODES:
@@ -141,9 +149,10 @@ def grpo_steps(spec, engine, reference, data: "DataShape", device, meter: Meter,
         engine.zero_grad()
         clock.open_step()
         if not settings.use_vllm:
-            with autocast():  # accelerate wraps the prepared model's forward in autocast, generate included
+            # accelerate wraps the prepared model's forward in autocast, generate included
+            with autocast(), engine.generating() as policy:
                 # the ids die here: TRL turns them into lists and pads them again below
-                rollout(spec, engine.model, dataclasses.replace(data, batch_size=rows * accum), device, completion,
+                rollout(spec, policy, dataclasses.replace(data, batch_size=rows * accum), device, completion,
                         settings.rollout)
             clock.close("generate")
         batches = [policy_batch(spec, rows, data, completion, device) for _ in range(accum)]

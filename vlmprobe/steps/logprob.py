@@ -19,6 +19,9 @@ float32, log_softmax per row otherwise), so backward keeps those logits and each
 
 from __future__ import annotations
 
+import functools
+import sys
+
 import torch
 
 TOKEN_CHUNK = 4096  # tokens per projection tile (TOKEN_CHUNK_SIZE)
@@ -85,12 +88,32 @@ def _project(hidden, weight, compute, buf, fold) -> None:
 
 
 def chunked(model, batch: dict, completion: int, compact: bool, with_entropy: bool):
-    """(log_probs, entropy) [rows, completion] through TRL's fused LM head (add_fused_lm_head's forward):
-    the backbone, then the head over the scored positions."""
-    inputs = {k: v for k, v in batch.items() if k != "labels"}
+    """(log_probs, entropy) [rows, completion] through TRL's fused LM head: add_fused_lm_head replaces the
+    model's forward, so the call goes through whatever wraps the model (DDP, a DeepSpeed engine, FSDP2's
+    hooks, which gather the root's parameters, the head's among them, for the forward)."""
+    module = unwrapped(model)
+    module.forward = functools.partial(_fused_forward, module, batch["labels"], completion, compact, with_entropy)
+    try:
+        per_token = model(**{k: v for k, v in batch.items() if k != "labels"})
+    finally:
+        del module.forward  # the class's forward again
+    return tuple(None if x is None else x[:, -completion:] for x in per_token)
+
+
+def unwrapped(model):
+    """The model inside DDP or a DeepSpeed engine (both keep it as `.module`); the model itself otherwise."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    deepspeed = sys.modules.get("deepspeed")  # no DeepSpeed engine exists unless DeepSpeed was imported
+    wrappers = (DistributedDataParallel, *((deepspeed.DeepSpeedEngine,) if deepspeed else ()))
+    return model.module if isinstance(model, wrappers) else model
+
+
+def _fused_forward(model, labels, completion: int, compact: bool, with_entropy: bool, **inputs):
+    """add_fused_lm_head's forward with fused_lm_head=True: the backbone, then the head over the scored
+    positions; per-token values at every position, as the forward returns them (the caller slices)."""
     hidden = model.model(**inputs, attention_mask=None, use_cache=False).last_hidden_state  # (B, L, H)
     rows, length, width = hidden.shape
-    labels = batch["labels"]
     if compact:  # hidden_states[mask], labels[mask]: the completion positions, gathered into new tensors
         states = fresh(hidden[:, length - 1 - completion:length - 1].reshape(-1, width))
         targets = fresh(labels[:, length - completion:].reshape(-1))
@@ -103,7 +126,7 @@ def chunked(model, batch: dict, completion: int, compact: bool, with_entropy: bo
         per_token = [None if x is None else x.new_zeros(mask.shape).masked_scatter(mask, x) for x in (log_probs, entropy)]
     else:  # x.view(mask.shape).masked_fill(~mask, 0)
         per_token = [None if x is None else x.view(mask.shape).masked_fill(~mask, 0) for x in (log_probs, entropy)]
-    return tuple(None if x is None else x[:, -completion:] for x in per_token)
+    return tuple(per_token)
 
 
 def fresh(t: torch.Tensor) -> torch.Tensor:
