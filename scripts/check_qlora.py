@@ -3,6 +3,7 @@
 
 1. layer: one bf16 Linear(1024 -> 2048) with bias, 2 x 1024 rows (over the 1536 rows where bitsandbytes' CUDA
    gemm_4bit always takes its dequantize + F.linear fallback): bytes kept, forward and backward peaks, for
+   ("kept" is the change from the bf16 weight to the quantized state: negative)
    - hand: bitsandbytes 0.50.2's formulas (vlmprobe.quantization.accounting.kept_bytes; the CUDA fallback's
      transients: two fp32 absmax [blocks] and the weight in the compute dtype),
    - estimate: the stand-in on fake tensors (what the estimate backend charges, modelling the CUDA path),
@@ -80,7 +81,8 @@ def layer_table() -> pd.DataFrame:
                 measured["cpu, inside gemm_4bit"] = layer_bytes(get("cpu"), train, bnb_real.replace, SHAPE, ROWS)
         for source, figures in measured.items():
             rows.append({"quantization": kind, "source": source, **{f"{k} B": v for k, v in figures.items()}})
-    return pd.DataFrame(rows).astype({f"{k} B": "Int64" for k in ("kept", "forward", "backward")})  # "" where no hand count
+    table = pd.DataFrame(rows).astype({f"{k} B": "Int64" for k in ("kept", "forward", "backward")})
+    return table.astype(object).where(table.notna(), "")  # empty where there is no hand count
 
 
 def model_table() -> tuple[pd.DataFrame, pd.DataFrame]:
