@@ -6,6 +6,8 @@ test_bad_input.py)."""
 import importlib.util
 
 import pytest
+import torch
+from hydra.utils import instantiate
 
 from vlmprobe.backends import get
 from vlmprobe.quantization import bnb_standin
@@ -87,3 +89,20 @@ def test_a_model_transformers_cannot_quantize_is_a_skipped_row(plan_points):
     (planned,) = plan_points(["model=nanovlm_tiny", "train.lora_r=4", "train.quantization=nf4",
                               "measure.backend=estimate"])
     assert planned.skip.startswith("train.quantization=nf4: NanoVLM")
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not HAS_BNB, reason="bitsandbytes is not installed (pip install -e \".[quant]\")")
+def test_nf4_on_a_tiny_vlm_is_real_bitsandbytes_on_cpu_but_for_its_code_tables(plan_points):
+    """Every phase of a whole step, real bitsandbytes on cpu vs the stand-in on estimate: apart only by the 4-bit
+    code table of each quantized layer, which bitsandbytes makes from Python data (uncounted on cpu)."""
+    from vlmprobe.quantization import layers_to_quantize
+
+    rows = {}
+    for backend in ("cpu", "estimate"):
+        planned = plan_point(plan_points, "train.quantization=nf4", f"measure.backend={backend}")
+        rows[backend] = measure(planned.config)
+    spec = instantiate(planned.config["model"], _convert_="all")
+    layers = len(layers_to_quantize(spec.build("meta", torch.bfloat16, init=False)))
+    for key in ("after_load_bytes", "forward_peak_bytes", "backward_peak_bytes", "optimizer_peak_bytes"):
+        assert rows["estimate"][key] - rows["cpu"][key] == 512 * layers, key
