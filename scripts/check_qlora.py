@@ -4,8 +4,8 @@
 1. layer: one bf16 Linear(1024 -> 2048) with bias, 2 x 1024 rows (over the 1536 rows where bitsandbytes' CUDA
    gemm_4bit always takes its dequantize + F.linear fallback): bytes kept, forward and backward peaks, for
    ("kept" is the change from the bf16 weight to the quantized state: negative)
-   - hand: bitsandbytes 0.50.2's formulas (vlmprobe.quantization.accounting.kept_bytes; the CUDA fallback's
-     transients: two fp32 absmax [blocks] and the weight in the compute dtype),
+   - hand: bitsandbytes 0.50.2's formulas (vlmprobe.quantization.accounting.kept_bytes) and, for forward and
+     backward, the tensors its CUDA code allocates (comments in layer_table),
    - estimate: the stand-in on fake tensors (what the estimate backend charges, modelling the CUDA path),
    - cpu: real bitsandbytes on the cpu backend, and `cpu, inside gemm_4bit`: the same with bitsandbytes::gemm_4bit
      run as the Python function its CPU dispatch runs (backends/default/ops.py _gemm_4bit_default_impl), so the
@@ -69,11 +69,19 @@ def layer_table() -> pd.DataFrame:
     rows = []
     for kind in ("nf4", "int8"):
         train = {**TRAIN, "quantization": kind}
-        blocks = out_f * in_f // 64
-        output = block(ROWS * out_f * 2)
-        hand_forward = output + 2 * block(4 * blocks) + block(2 * out_f * in_f) if kind == "nf4" else None
-        measured = {"hand": {"kept": kept_bytes(out_f, in_f, kind) - 2 * out_f * in_f, "forward": hand_forward,
-                             "backward": None},
+        blocks, weight, output = out_f * in_f // 64, block(2 * out_f * in_f), block(ROWS * out_f * 2)
+        grad_input, loss = block(ROWS * in_f * 2), 2 * 512  # backward also makes the loss (a sum) and its gradient
+        if kind == "nf4":
+            # CUDA fallback: the output, two fp32 absmax [blocks], the bf16 weight; backward: dequantize_4bit's bf16
+            # weight (its fp32 absmax freed on return) through the matmul with the input's gradient
+            hand = {"forward": output + 2 * block(4 * blocks) + weight, "backward": loss + weight + grad_input}
+        else:
+            # MatMul8bitLt at `out16.to(A.dtype)`: int8 rows, fp32 row stats, the int32 product, the fp16 output and
+            # its bf16 cast; backward: the sum's gradient is an expanded scalar, so reshape(-1, N) copies it (bf16
+            # [rows, out]), then the weight in bf16 and the input's gradient
+            hand = {"forward": block(ROWS * in_f) + block(4 * ROWS) + block(4 * ROWS * out_f) + 2 * output,
+                    "backward": loss + output + weight + grad_input}
+        measured = {"hand": {"kept": kept_bytes(out_f, in_f, kind) - 2 * out_f * in_f, **hand},
                     "estimate (stand-in)": layer_bytes(get("estimate"), train, bnb_standin.replace, SHAPE, ROWS),
                     "cpu (bitsandbytes)": layer_bytes(get("cpu"), train, bnb_real.replace, SHAPE, ROWS)}
         if kind == "nf4":
@@ -81,8 +89,7 @@ def layer_table() -> pd.DataFrame:
                 measured["cpu, inside gemm_4bit"] = layer_bytes(get("cpu"), train, bnb_real.replace, SHAPE, ROWS)
         for source, figures in measured.items():
             rows.append({"quantization": kind, "source": source, **{f"{k} B": v for k, v in figures.items()}})
-    table = pd.DataFrame(rows).astype({f"{k} B": "Int64" for k in ("kept", "forward", "backward")})
-    return table.astype(object).where(table.notna(), "")  # empty where there is no hand count
+    return pd.DataFrame(rows)
 
 
 def model_table() -> tuple[pd.DataFrame, pd.DataFrame]:
