@@ -23,6 +23,7 @@ def cli(tmp_path, monkeypatch, capsys):
     return _run
 
 
+QLORA = ["model=qwen2_vl_tiny", "train.lora_r=4", "measure.backend=estimate"]
 GRPO = ["model=qwen2_5_vl_tiny", "step=grpo", "data.batch_size=4", "measure.backend=estimate"]
 BAD_INPUT = {
     "negative lr": (["model=nanovlm_tiny", "optimizer.lr=-1"],
@@ -144,6 +145,16 @@ BAD_INPUT = {
                                       "step.num_generations=4 is not allowed with data.batch_size=1 "
                                       "(per_device_train_batch_size), train.grad_accum_steps=1 and "
                                       "step.num_processes=2"),
+    "quantization unknown": (QLORA + ["train.quantization=fp8"],
+                             "train.quantization='fp8' is not allowed: use nf4, int8 or null"),
+    "quantization without LoRA": (["model=qwen2_vl_tiny", "train.quantization=nf4"],
+                                  "train.quantization=nf4 is not allowed with train.lora_r=0: QLoRA trains LoRA adapters "
+                                  "on a frozen quantized base; set train.lora_r"),
+    "quantization sharded": (QLORA + ["train.quantization=nf4", "dist=fsdp2"],
+                             "train.quantization=nf4 is not allowed with dist=fsdp2"),
+    "quantization compute dtype": (QLORA + ["train.quantization=nf4", "train.quantization_compute_dtype=int4"],
+                                   "train.quantization_compute_dtype='int4' is not allowed: use one of bfloat16, "
+                                   "float16, float32"),
 }
 
 
@@ -157,6 +168,17 @@ def test_bad_input_is_one_line_naming_the_value_and_nothing_is_written(cli, tmp_
     code, lines = cli(args)
     assert code == 2
     assert len(lines) == 1 and lines[0].startswith("vlmprobe: ") and message in lines[0], lines
+    assert not (tmp_path / "r").exists()
+
+
+def test_quantization_without_bitsandbytes_where_it_runs_says_how_to_install(cli, tmp_path, monkeypatch):
+    import importlib.util
+
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "bitsandbytes" else find_spec(name, *a))
+    code, lines = cli(["model=qwen2_vl_tiny", "train.lora_r=4", "train.quantization=int8", "measure.backend=cpu"])
+    assert code == 2 and len(lines) == 1
+    assert 'train.quantization=int8 on backend cpu needs bitsandbytes, not installed here: pip install -e ".[quant]"' in lines[0]
     assert not (tmp_path / "r").exists()
 
 

@@ -69,8 +69,11 @@ def add_lora(modules: list[nn.Module], train: dict) -> None:
     from peft import LoraConfig, inject_adapter_in_model
     from peft.tuners.tuners_utils import cast_adapter_dtype
 
+    from vlmprobe.quantization.lora_layers import STANDIN_LORA
+
     config = LoraConfig(r=train["lora_r"], lora_alpha=train["lora_alpha"], lora_dropout=train["lora_dropout"],
                         target_modules=list(train["lora_target_modules"]))
+    config._register_custom_module(STANDIN_LORA)  # the estimate's bitsandbytes stand-ins get peft's bnb forward
     injected = 0
     for module in modules:
         if any(isinstance(m, nn.Linear) and name.split(".")[-1] in config.target_modules for name, m in module.named_modules()):

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 from omegaconf import OmegaConf
 
+from vlmprobe import quantization
 from vlmprobe.estimate import alloc_conf, device_profile
 from vlmprobe.distributed import options as dist_options
 from vlmprobe.errors import ConfigError, first_line, refused
@@ -102,6 +103,9 @@ def _describe_model(model_json: str, train_json: str, optimizer_json: str) -> tu
         raise
     except Exception as exc:  # a hyperparameter the model's constructor (ours or transformers') refuses
         raise refused(f"model={spec.name} with its settings", f"{type(spec).__name__}'s constructor", exc) from None
+    skip = quantization.skip_reason(model, train)
+    if not skip:
+        quantization.freeze_quantized(model, train)  # before the adapters, as the worker quantizes before them
     try:
         apply_knobs(spec, model, train)
     except ConfigError:
@@ -111,8 +115,10 @@ def _describe_model(model_json: str, train_json: str, optimizer_json: str) -> tu
             raise  # freezing and checkpointing take no values a library could refuse: our own failure
         lora = {k: train[k] for k in ("lora_r", "lora_alpha", "lora_dropout", "lora_target_modules")}
         raise refused(settings("train", lora), "peft (LoraConfig, inject_adapter_in_model)", exc) from None
-    params, trainable = count_params(model)
+    params, trainable = count_params(model)  # quantization is not applied here: `params` counts the model's weights
     described = {"params": params, "trainable_params": trainable, "optimizer": optimizer["_target_"].rsplit(".", 1)[-1]}
+    if skip:
+        return described, skip
     try:
         partial = instantiate(optimizer, _convert_="all")
     except Exception as exc:  # Hydra wraps the ImportError of a missing optional package
@@ -150,6 +156,7 @@ def validate_point(cfg: dict, point: Point) -> tuple[dict, str | None]:
     train, measure = cfg["train"], cfg["measure"]
     measure["backend"] = _resolve_backend(measure["backend"])
     validate_knobs(train)
+    quantization.validate(train, measure["backend"], cfg["dist"]["name"])
     if train["param_dtype"] not in DTYPE_NAMES:
         raise ConfigError(f"train.param_dtype={train['param_dtype']!r} is not allowed: use one of {', '.join(DTYPE_NAMES)}")
     if train["autocast_dtype"] not in (*DTYPE_NAMES[1:], None):
@@ -213,6 +220,7 @@ def validate_point(cfg: dict, point: Point) -> tuple[dict, str | None]:
         "freeze_vision": train["freeze_vision"],
         "freeze_lm": train["freeze_lm"],
         "lora_r": train["lora_r"],
+        "quantization": train["quantization"],
         "dist": cfg["dist"]["name"],
         "world_size": cfg["dist"]["world_size"],
         "device": profile.key if profile else None,

@@ -15,6 +15,7 @@ import torch
 
 from vlmprobe import backends
 from vlmprobe.estimate import alloc_conf, device_profile
+from vlmprobe import quantization
 from vlmprobe.knobs import apply_knobs
 from vlmprobe.models.base import DataShape
 from vlmprobe.distributed import engines
@@ -72,6 +73,7 @@ def measure(point: dict) -> dict:
         try:
             engine = engines.make(point, backend.device())  # single GPU, DDP or sharded
             model = spec.build(engine.build_device, DTYPES[train["param_dtype"]], init=not engine.build_device_is_meta)
+            quantization.quantize(model, train, backend.name)  # QLoRA's base, before its adapters
             apply_knobs(spec, model, train)
             model.train()
             grpo = point["step"]["name"] == "grpo"
@@ -101,6 +103,7 @@ def measure(point: dict) -> dict:
             message = str(exc)
             out.update(status="oom", error=message.strip().splitlines()[0][:500], **backend.oom_columns(meter, message))
             report.peaks["allocated"] = max(report.peaks.get("allocated", 0), meter.peaks()["allocated"])
+        meter.notes.extend(quantization.notes(train, backend.name))
         out.update(_report_columns(report))
         out["imposed_capacity_bytes"] = meter.capacity
         out.update(backend.final_stats(meter))

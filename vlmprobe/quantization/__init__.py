@@ -1,0 +1,110 @@
+"""train.quantization: QLoRA's frozen base in bitsandbytes 4-bit (nf4) or 8-bit (int8), LoRA adapters on top.
+
+What a user of `from_pretrained(..., quantization_config=BitsAndBytesConfig(load_in_4bit=True,
+bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True, bnb_4bit_compute_dtype=torch.bfloat16))` gets,
+read from transformers 5.23 (quantizers/quantizer_bnb_4bit.py, quantizers/base.py get_keys_to_not_convert,
+integrations/bitsandbytes.py replace_with_bnb_linear): every module whose type is exactly nn.Linear becomes
+a bitsandbytes Linear4bit (Linear8bitLt for load_in_8bit, threshold 6.0, no fp16 weights), frozen, except
+the modules `get_keys_to_not_convert` names: the output embeddings (lm_head), tied weights and the module of
+the model's last parameter; plus `llm_int8_skip_modules` (None by default) and the model's
+`_keep_in_fp32_modules` (none of the supported families has any). So the vision tower's and the projector's
+linear layers are quantized too; convolutions, embeddings and norms are not.
+
+Knobs that change memory: the type (nf4 and fp4 take the same bytes, so only nf4 is offered; int8),
+double quantization (`quantization_double_quant`: the per-block absmax in uint8 with a nested fp32 absmax
+per 256 blocks instead of fp32 per block), the compute dtype (`quantization_compute_dtype`: the dtype the
+input is cast to and the weight dequantized into in forward) and the block size (64: transformers gives
+Linear4bit no other). peft's prepare_model_for_kbit_training casts every other bf16/fp16 parameter to fp32;
+TRL 1.x's SFT/GRPO trainers no longer call it (trl/experimental/utils.py keeps only freezing and
+checkpointing), so vlmprobe does not either: the rest of the model stays in train.param_dtype.
+
+backend cuda / cpu: the real bitsandbytes modules (vlmprobe.quantization.bnb_real); estimate: stand-ins that
+allocate what bitsandbytes' CUDA path allocates (vlmprobe.quantization.bnb_standin).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+from torch import nn
+
+from vlmprobe.errors import ConfigError
+
+TYPES = ("nf4", "int8")
+COMPUTE_DTYPES = ("bfloat16", "float16", "float32")
+INSTALL = 'pip install -e ".[quant]"'
+
+
+def validate(train: dict, backend: str, dist: str) -> None:
+    """One line per value QLoRA cannot take, before anything is built."""
+    kind = train.get("quantization")
+    if kind is None:
+        return
+    if kind not in TYPES:
+        raise ConfigError(f"train.quantization={kind!r} is not allowed: use nf4, int8 or null (no quantization)")
+    if not train["lora_r"]:
+        raise ConfigError(f"train.quantization={kind} is not allowed with train.lora_r=0: QLoRA trains LoRA adapters "
+                          f"on a frozen quantized base; set train.lora_r (e.g. train.lora_r=8)")
+    if not isinstance(train["quantization_double_quant"], bool):
+        raise ConfigError(f"train.quantization_double_quant={train['quantization_double_quant']!r} is not allowed: "
+                          f"use true or false")
+    if train["quantization_compute_dtype"] not in COMPUTE_DTYPES:
+        raise ConfigError(f"train.quantization_compute_dtype={train['quantization_compute_dtype']!r} is not allowed: "
+                          f"use one of {', '.join(COMPUTE_DTYPES)}")
+    if dist != "none":
+        raise ConfigError(f"train.quantization={kind} is not allowed with dist={dist}: quantized weights are not "
+                          f"sharded or replicated here; use dist=none")
+    if backend in ("cuda", "cpu") and importlib.util.find_spec("bitsandbytes") is None:
+        raise ConfigError(f"train.quantization={kind} on backend {backend} needs bitsandbytes, not installed here: "
+                          f"{INSTALL} (or use measure.backend=estimate)")
+
+
+def skip_reason(model: nn.Module, train: dict) -> str | None:
+    """Why this model's layers cannot be quantized as transformers quantizes them (the row says so)."""
+    from transformers import PreTrainedModel
+
+    if train.get("quantization") and not isinstance(model, PreTrainedModel):
+        return (f"train.quantization={train['quantization']}: {type(model).__name__} is not a transformers model, so "
+                f"transformers' bitsandbytes integration (replace_with_bnb_linear) does not pick its layers")
+    return None
+
+
+def layers_to_quantize(model: nn.Module) -> list[str]:
+    """Names of the layers transformers' bitsandbytes integration replaces (module docstring)."""
+    from transformers.quantizers.base import get_keys_to_not_convert
+    from transformers.quantizers.quantizers_utils import should_convert_module
+
+    skip = get_keys_to_not_convert(model) + list(getattr(model, "_keep_in_fp32_modules", None) or [])
+    return [name for name, module in model.named_modules()
+            if type(module) is nn.Linear and should_convert_module(name, skip)]
+
+
+def freeze_quantized(model: nn.Module, train: dict) -> None:
+    """What quantization leaves trainable, on a model not quantized (the planner's meta model): the layers it
+    would replace are frozen, weight and bias (replace_with_bnb_linear: requires_grad_(False))."""
+    if train.get("quantization"):
+        for name in layers_to_quantize(model):
+            model.get_submodule(name).requires_grad_(False)
+
+
+def quantize(model: nn.Module, train: dict, backend: str) -> None:
+    """Replace the model's linear layers in place: real bitsandbytes on cuda and cpu, stand-ins on estimate."""
+    if not train.get("quantization"):
+        return
+    if backend == "estimate":
+        from vlmprobe.quantization.bnb_standin import notes, replace
+
+        notes()  # forget what an earlier point in this process left
+    else:
+        from vlmprobe.quantization.bnb_real import replace
+    for name in layers_to_quantize(model):
+        model.set_submodule(name, replace(model.get_submodule(name), train))
+
+
+def notes(train: dict, backend: str) -> list[str]:
+    """What a row should say about how its quantized matmuls were charged (estimate only)."""
+    if not train.get("quantization") or backend != "estimate":
+        return []
+    from vlmprobe.quantization.bnb_standin import notes as standin_notes
+
+    return standin_notes()

@@ -1,0 +1,205 @@
+"""Stand-ins for bitsandbytes 0.50.2's Linear4bit and Linear8bitLt that allocate what its CUDA path allocates,
+so the estimate backend (fake tensors, no bitsandbytes needed) charges QLoRA's bytes. Each piece names the
+bitsandbytes code it follows; values are never computed (weights do not change memory, shapes do).
+
+Kept per quantized layer (nn/modules.py Params4bit._quantize -> functional.quantize_4bit, CUDA kernel):
+  4-bit: the packed weight, uint8 [(n + 1) // 2, 1] (two 4-bit codes a byte); QuantState.code, the 16-value
+  fp32 table of the type (get_4bit_type); per block of 64 values an absmax, fp32 [blocks] -- or with double
+  quantization uint8 [blocks], plus state2 (quantize_blockwise at block size 256): a nested fp32 absmax
+  [ceil(blocks / 256)], a copy of the 256-value fp32 dynamic code, and the fp32 scalar offset (the mean).
+  8-bit: Int8Params._quantize -> int8_vectorwise_quant: the int8 weight [out, in] and its fp32 row scales
+  SCB [out].
+Transient per matmul:
+  4-bit forward (autograd/_functions.py MatMul4Bit -> bitsandbytes::gemm_4bit, backends/cuda/ops.py): over
+  1536 rows (M = tokens) CUDA takes `_dequant_linear_fallback`: the nested absmax dequantized (fp32 [blocks])
+  and offset (another fp32 [blocks]), the weight dequantized in the compute dtype, F.linear. Up to 4 rows the
+  fused kernel runs (output only); in between bitsandbytes picks by card and shape: the fallback is charged
+  (the larger), and `notes()` says so.
+  4-bit backward: functional.dequantize_4bit: absmax (fp32 [blocks] with double quant), the weight in its
+  stored dtype, cast to grad_output's dtype, matmul -> grad of the input. Nothing is saved for backward but
+  the packed weight (already kept).
+  8-bit forward (MatMul8bitLt, threshold 6.0): the input cast to fp16, int8_vectorwise_quant (int8 [M, K],
+  fp32 row stats [M], the outlier test |A| >= 6 over [M, K]), int8_linear_matmul (int32 [M, N]),
+  int8_mm_dequant (fp16 [M, N], cast to the input dtype). Outlier columns depend on the activations' values:
+  the stand-in assumes none (each one would keep an [M] column of the input for backward and add to the
+  output). Saved for backward: the input (a view of what the layer got).
+  8-bit backward: the int8 weight copied to the input's dtype and scaled (SCB / 127), grad_output cast, matmul.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+
+BLOCKSIZE = 64  # Linear4bit's default block size; transformers' BitsAndBytesConfig sets no other
+NESTED_BLOCKSIZE = 256  # quantize_4bit's compress_statistics: quantize_blockwise(absmax, blocksize=256)
+FUSED_MAX_ROWS = 4  # backends/cuda/ops.py _GEMM_4BIT_CUSTOM_FLOOR_M: at most this many rows, the fused kernel
+FALLBACK_MIN_ROWS = 1537  # over _gemm_4bit_custom_max_m (1536) rows, always the dequantize + F.linear fallback
+THRESHOLD = 6.0  # transformers' llm_int8_threshold default: outlier columns |A| >= 6 stay in fp16
+
+_uncertain_rows: set[int] = set()  # row counts whose 4-bit kernel CUDA picks per card (charged as the fallback)
+
+
+def notes() -> list[str]:
+    """What the rows should say about this run's stand-in choices (and forget them)."""
+    rows = sorted(_uncertain_rows)
+    _uncertain_rows.clear()
+    if not rows:
+        return []
+    return [f"bitsandbytes 4-bit matmuls over {rows[0]}-{rows[-1]} rows: CUDA picks its fused kernel or dequantize + "
+            f"linear by card and shape; the estimate charges the dequantized weight (the larger)"]
+
+
+class QuantState:
+    """The tensors of bitsandbytes.functional.QuantState that stay on the device (4-bit)."""
+
+    def __init__(self, shape: torch.Size, dtype: torch.dtype, nested: bool, device):
+        n = math.prod(shape)
+        blocks = -(n // -BLOCKSIZE)
+        self.shape, self.dtype, self.nested = shape, dtype, nested  # dtype: the weight's when quantized
+        self.code = torch.empty(16, dtype=torch.float32, device=device)  # get_4bit_type(quant_type)
+        if nested:
+            self.absmax = torch.empty(blocks, dtype=torch.uint8, device=device)
+            self.offset = torch.empty((), dtype=torch.float32, device=device)  # _absmax.mean()
+            self.state2_absmax = torch.empty(-(blocks // -NESTED_BLOCKSIZE), dtype=torch.float32, device=device)
+            self.state2_code = torch.empty(256, dtype=torch.float32, device=device)  # code.to(device, copy=True)
+        else:
+            self.absmax = torch.empty(blocks, dtype=torch.float32, device=device)
+
+
+class Linear4bit(nn.Linear):
+    """bitsandbytes.nn.Linear4bit as transformers builds it, quantized from `linear`'s weight."""
+
+    def __init__(self, linear: nn.Linear, compute_dtype: torch.dtype, double_quant: bool):
+        nn.Module.__init__(self)
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        weight = linear.weight
+        n = weight.numel()
+        self.weight = nn.Parameter(torch.empty(((n + 1) // 2, 1), dtype=torch.uint8, device=weight.device),
+                                   requires_grad=False)  # Params4bit
+        self.quant_state = QuantState(weight.shape, weight.dtype, double_quant, weight.device)
+        self.bias = linear.bias
+        if self.bias is not None:
+            self.bias.requires_grad_(False)  # replace_with_bnb_linear: new_module.requires_grad_(False)
+        self.compute_dtype = compute_dtype
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # Linear4bit.forward
+        inp_dtype = x.dtype
+        x = x.to(self.compute_dtype)
+        bias = self.bias
+        if bias is not None and bias.dtype != x.dtype:
+            bias.data = bias.data.to(x.dtype)
+        needs_grad = torch.is_grad_enabled() and (x.requires_grad or (bias is not None and bias.requires_grad))
+        out = MatMul4Bit.apply(x, self.weight, bias, self) if needs_grad else gemm_4bit(x, self, bias)
+        return out.to(inp_dtype)
+
+
+def gemm_4bit(A: torch.Tensor, layer: Linear4bit, bias) -> torch.Tensor:
+    """bitsandbytes::gemm_4bit's CUDA kernel (backends/cuda/ops.py)."""
+    K = A.shape[-1]
+    rows = A.numel() // K
+    if rows <= FUSED_MAX_ROWS and K % BLOCKSIZE == 0:  # _gemm_4bit_kernel_impl: the output only
+        return torch.empty((*A.shape[:-1], layer.out_features), dtype=A.dtype, device=A.device)
+    if rows < FALLBACK_MIN_ROWS and K % BLOCKSIZE == 0:
+        _uncertain_rows.add(rows)
+    state = layer.quant_state
+    absmax_dq = absmax = state.absmax  # _dequant_linear_fallback: both stay alive until it returns
+    if state.nested:
+        absmax_dq = torch.empty_like(state.absmax, dtype=torch.float32)
+        absmax = absmax_dq + state.offset
+    weight = torch.empty(state.shape, dtype=A.dtype, device=A.device)  # B_dq, _dequantize_4bit_impl's out
+    out = nn.functional.linear(A, weight, bias)
+    del absmax_dq, absmax, weight
+    return out
+
+
+def dequantize_4bit(state: QuantState) -> torch.Tensor:
+    """functional.dequantize_4bit on CUDA: the weight in the dtype it was quantized from."""
+    absmax = state.absmax
+    if state.nested:
+        absmax = torch.empty(state.absmax.shape, dtype=torch.float32, device=state.absmax.device)  # dequantize_blockwise
+        absmax += state.offset
+    out = torch.empty(state.shape, dtype=state.dtype, device=state.absmax.device)
+    del absmax
+    return out
+
+
+class MatMul4Bit(torch.autograd.Function):
+    """autograd/_functions.py MatMul4Bit: saves nothing new; backward dequantizes the weight again."""
+
+    @staticmethod
+    def forward(ctx, A, weight, bias, layer):
+        ctx.layer = layer
+        return gemm_4bit(A, layer, bias)
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        grad_A = None
+        if ctx.needs_input_grad[0]:
+            grad_A = torch.matmul(grad_output, dequantize_4bit(ctx.layer.quant_state).to(grad_output.dtype))
+        return grad_A, None, None, None
+
+
+class Linear8bitLt(nn.Linear):
+    """bitsandbytes.nn.Linear8bitLt as transformers builds it (has_fp16_weights=False, threshold 6.0)."""
+
+    def __init__(self, linear: nn.Linear):
+        nn.Module.__init__(self)
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        device = linear.weight.device
+        self.weight = nn.Parameter(torch.empty(linear.weight.shape, dtype=torch.int8, device=device),
+                                   requires_grad=False)  # Int8Params: CB
+        self.SCB = torch.empty(self.out_features, dtype=torch.float32, device=device)
+        self.bias = linear.bias
+        if self.bias is not None:
+            self.bias.requires_grad_(False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # Linear8bitLt.forward -> bnb.matmul on CUDA
+        if self.bias is not None and self.bias.dtype != x.dtype:
+            self.bias.data = self.bias.data.to(x.dtype)
+        return MatMul8bitLt.apply(x, self.weight, self.bias, self)
+
+
+class MatMul8bitLt(torch.autograd.Function):
+    """autograd/_functions.py MatMul8bitLt, frozen int8 weight, no outlier columns (module docstring)."""
+
+    @staticmethod
+    def forward(ctx, A, weight, bias, layer):
+        input_shape = A.shape
+        A = A.reshape(-1, A.shape[-1])
+        A16 = A.to(torch.float16)
+        # int8_vectorwise_quant (CUDA): row stats and int8 rows (kept until forward returns), the outlier test
+        row_stats = torch.empty(A16.shape[0], dtype=torch.float32, device=A.device)
+        quantized = torch.empty(A16.shape, dtype=torch.int8, device=A.device)
+        outliers = A16.abs() >= THRESHOLD
+        outliers.any()
+        del outliers, A16
+        sub_a = torch.empty(0, dtype=A.dtype, device=A.device)  # int8_mixed_scaled_mm without outliers
+        out_i32 = torch.empty((A.shape[0], layer.out_features), dtype=torch.int32, device=A.device)  # int8_linear_matmul
+        out16 = torch.empty_like(out_i32, dtype=torch.float16)  # int8_mm_dequant (CUDA): fp16 out, then cast
+        if bias is not None and bias.dtype != torch.float16:
+            out16.add_(bias)
+        output = out16.to(A.dtype)
+        del out16, out_i32, quantized, row_stats
+        ctx.layer, ctx.grad_shape, ctx.dtype_A = layer, input_shape, A.dtype
+        ctx.tensors = (sub_a, A) if ctx.needs_input_grad[0] else None
+        return output.reshape(*input_shape[:-1], layer.out_features)
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        grad_output = grad_output.reshape(-1, grad_output.shape[-1]).contiguous()
+        layer = ctx.layer
+        weight = layer.weight.to(ctx.dtype_A, copy=True).mul_(layer.SCB.unsqueeze(1).mul(1.0 / 127.0))
+        grad_A = torch.matmul(grad_output.to(ctx.dtype_A), weight).view(ctx.grad_shape)
+        return grad_A, None, None, None
+
+
+def replace(linear: nn.Linear, train: dict) -> nn.Linear:
+    """The stand-in of the bitsandbytes layer transformers would put in `linear`'s place."""
+    if train["quantization"] == "int8":
+        return Linear8bitLt(linear)
+    compute_dtype = getattr(torch, train["quantization_compute_dtype"])  # a name validate() allowed
+    return Linear4bit(linear, compute_dtype, train["quantization_double_quant"])
