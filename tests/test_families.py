@@ -14,15 +14,16 @@ from vlmprobe.worker import measure
 FAMILIES = {  # tiny config -> data that fits it (the images take 16 tokens in each, 20 in
     # idefics3_tiny and internvl_tiny, one per image in mllama_tiny)
     "qwen2_5_vl_tiny": ["data.batch_size=2", "data.lm_max_length=64"],
+    "qwen3_vl_tiny": ["data.batch_size=2", "data.lm_max_length=48"],
     "llava_tiny": ["data.batch_size=2", "data.lm_max_length=48"],
     "idefics3_tiny": ["data.batch_size=2", "data.lm_max_length=48"],
     "gemma3_tiny": ["data.batch_size=2", "data.lm_max_length=48"],
     "mllama_tiny": ["data.batch_size=2", "data.lm_max_length=48"],
     "internvl_tiny": ["data.batch_size=2", "data.lm_max_length=48", "data.image_size=112"],  # 2 x 2 tiles + thumbnail
 }
-# the projector of each family where it is a module of its own (Qwen's merger lives inside its vision tower,
-# frozen with it)
-PROJECTORS = {"qwen2_5_vl_tiny": set(), "llava_tiny": {"multi_modal_projector"}, "idefics3_tiny": {"connector"},
+# the projector of each family where it is a module of its own (Qwen's merger, and Qwen3-VL's DeepStack
+# projectors, live inside its vision tower, frozen with it)
+PROJECTORS = {"qwen2_5_vl_tiny": set(), "qwen3_vl_tiny": set(), "llava_tiny": {"multi_modal_projector"}, "idefics3_tiny": {"connector"},
               "gemma3_tiny": {"multi_modal_projector"}, "mllama_tiny": {"multi_modal_projector"},
               "internvl_tiny": {"multi_modal_projector"}}
 BYTE_COLUMNS = ("peak_allocated_bytes", "last_step_peak_allocated_bytes", "forward_peak_bytes", "backward_peak_bytes",

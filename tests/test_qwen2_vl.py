@@ -114,8 +114,9 @@ def test_pixel_values_and_grid_have_the_shapes_the_real_image_processor_gives(sp
         assert torch.equal(ours["image_grid_thw"], real["image_grid_thw"])
 
 
-def test_batch_position_ids_are_the_models_own_m_rope_index(spec):
-    tiny = spec("qwen2_vl_tiny")
+@pytest.mark.parametrize("family", ["qwen2_vl_tiny", "qwen3_vl_tiny"])  # Qwen3-VL's get_rope_index, same rule
+def test_batch_position_ids_are_the_models_own_m_rope_index(spec, family):
+    tiny = spec(family)
     model = tiny.build("cpu", torch.float32)
     for data in (DataShape(2, 40), DataShape(2, 60, images_per_sample=2), DataShape(1, 80, image_size=150)):
         batch = tiny.batch(data, CPU)
