@@ -16,6 +16,7 @@ FAMILIES = {  # tiny config -> data that fits it (the images take 16 tokens in e
     "qwen2_5_vl_tiny": ["data.batch_size=2", "data.lm_max_length=64"],
     "qwen3_vl_tiny": ["data.batch_size=2", "data.lm_max_length=48"],
     "llava_tiny": ["data.batch_size=2", "data.lm_max_length=48"],
+    "llava_next_tiny": ["data.batch_size=2", "data.lm_max_length=48"],  # 36 image tokens: base tile + 2 tiles
     "idefics3_tiny": ["data.batch_size=2", "data.lm_max_length=48"],
     "gemma3_tiny": ["data.batch_size=2", "data.lm_max_length=48"],
     "mllama_tiny": ["data.batch_size=2", "data.lm_max_length=48"],
@@ -23,7 +24,8 @@ FAMILIES = {  # tiny config -> data that fits it (the images take 16 tokens in e
 }
 # the projector of each family where it is a module of its own (Qwen's merger, and Qwen3-VL's DeepStack
 # projectors, live inside its vision tower, frozen with it)
-PROJECTORS = {"qwen2_5_vl_tiny": set(), "qwen3_vl_tiny": set(), "llava_tiny": {"multi_modal_projector"}, "idefics3_tiny": {"connector"},
+PROJECTORS = {"qwen2_5_vl_tiny": set(), "qwen3_vl_tiny": set(), "llava_tiny": {"multi_modal_projector"},
+              "llava_next_tiny": {"multi_modal_projector", "image_newline"}, "idefics3_tiny": {"connector"},
               "gemma3_tiny": {"multi_modal_projector"}, "mllama_tiny": {"multi_modal_projector"},
               "internvl_tiny": {"multi_modal_projector"}}
 BYTE_COLUMNS = ("peak_allocated_bytes", "last_step_peak_allocated_bytes", "forward_peak_bytes", "backward_peak_bytes",
@@ -97,6 +99,7 @@ def test_estimate_equals_the_cpu_backend_to_the_byte(run, family, setting):
 # parameters a real step leaves without a gradient: LLaVA's vision_feature_layer -2 leaves the last CLIP layer and
 # post_layernorm running but feeding nothing (as in real LLaVA training)
 UNUSED = {"llava_tiny": ("model.vision_tower.encoder.layers.1.", "model.vision_tower.post_layernorm.")}
+UNUSED["llava_next_tiny"] = UNUSED["llava_tiny"]
 
 
 @pytest.mark.parametrize("family", FAMILIES)

@@ -3,8 +3,9 @@ its shipped YAML builds; every way the path can be wrong is one line; nothing is
 
 tests/data/hf/ holds config.json files in the Hub's own layouts (flat Qwen configs with the legacy
 rope_scaling and in_chans, LLaVA's nested sub-configs that leave Llama/CLIP defaults out), written from the
-published files of Qwen/Qwen2.5-VL-7B-Instruct, Qwen/Qwen2-VL-2B-Instruct, llava-hf/llava-1.5-7b-hf and
-Qwen/Qwen3-VL-8B-Instruct (the last from copies of the Hub file in public code: no hub access here),
+published files of Qwen/Qwen2.5-VL-7B-Instruct, Qwen/Qwen2-VL-2B-Instruct, llava-hf/llava-1.5-7b-hf,
+Qwen/Qwen3-VL-8B-Instruct and llava-hf/llava-v1.6-mistral-7b-hf (the last two from copies of the Hub files in
+public code: no hub access here),
 and tiny ones in the same layouts."""
 
 import pytest
@@ -48,6 +49,7 @@ def spec(compose):
     ("SmolVLM-256M-Instruct", "smolvlm_256m", 256_484_928),
     ("gemma-3-4b-it", "gemma3_4b", 4_300_079_472),
     ("Qwen3-VL-8B-Instruct", "qwen3_vl_8b", 8_767_123_696),
+    ("llava-v1.6-mistral-7b-hf", "llava_v1_6_mistral_7b", 7_566_747_648),
 ])
 def test_a_published_config_json_builds_what_its_shipped_yaml_builds(spec, folder, shipped, params):
     from_json = spec("model=hf", f"model.config={DATA / folder}")
@@ -64,12 +66,15 @@ def test_a_published_config_json_builds_what_its_shipped_yaml_builds(spec, folde
 
 @pytest.mark.parametrize("folder,shipped", [("qwen2_5_vl_tiny", "qwen2_5_vl_tiny"), ("qwen2_vl_tiny", "qwen2_vl_tiny"),
                                             ("qwen3_vl_tiny", "qwen3_vl_tiny"),
-                                            ("llava_tiny", "llava_tiny"), ("idefics3_tiny", "idefics3_tiny"),
+                                            ("llava_tiny", "llava_tiny"), ("llava_next_tiny", "llava_next_tiny"),
+                                            ("idefics3_tiny", "idefics3_tiny"),
                                             ("gemma3_tiny", "gemma3_tiny"), ("mllama_tiny", "mllama_tiny"),
                                             ("internvl_tiny", "internvl_tiny")])
 def test_a_tiny_config_json_point_uses_the_memory_of_its_shipped_yaml_to_the_byte(plan_points, folder, shipped):
     data = ["data.batch_size=2", "data.lm_max_length=48", "measure.backend=estimate", "measure.steps=1"]
-    data += ["data.image_size=112"] if shipped.startswith("qwen") else []  # a Qwen config.json has no image size
+    # a Qwen or LLaVA-NeXT config.json has no image size (the model takes any)
+    data += ["data.image_size=112"] if shipped.startswith("qwen") else []
+    data += ["data.image_size=56"] if shipped.startswith("llava_next") else []
     (hf,) = plan_points(["model=hf", f"model.config={DATA / folder / 'config.json'}", *data])
     (yaml,) = plan_points([f"model={shipped}", *data])
     assert hf.inputs["model"] == folder and hf.inputs["params"] == yaml.inputs["params"]
@@ -134,8 +139,8 @@ def _write(path, text):
     ("not JSON", r"model.config=.*/broken.json is not allowed: it cannot be read as JSON"),
     ("not an object", r"model.config=.*/list.json is not allowed: it is JSON but not an object of config keys"),
     ("unsupported family", r"model.config=.*/paligemma is not allowed: its model_type 'paligemma' is not a family vlmprobe "
-                           r"builds \(supported: gemma3, idefics3, internvl, llava, mllama, qwen2_5_vl, qwen2_vl, "
-                           r"qwen3_vl, smolvlm\)"),
+                           r"builds \(supported: gemma3, idefics3, internvl, llava, llava_next, mllama, qwen2_5_vl, "
+                           r"qwen2_vl, qwen3_vl, smolvlm\)"),
     ("no model_type", r"model.config=.*/bare.json is not allowed: its model_type None is not a family"),
 ])
 def test_a_config_path_that_cannot_be_used_is_one_line(plan_points, tmp_path, case, message):
