@@ -28,7 +28,8 @@ the model's get_rope_index builds them from fresh aranges, which fake mode canno
 
 Qwen2.5-VL (qwen2_5_vl.py) is this family with another vision tower: the same processor, the same batch
 plus its window-attention index. It subclasses Qwen2VLSpec, overriding config_class, model_class and
-vision_inputs.
+vision_inputs. Qwen3-VL (qwen3_vl.py) is this family too (16 px patches, DeepStack inside the model),
+overriding config_class, model_class and published_pixels.
 """
 
 from __future__ import annotations
