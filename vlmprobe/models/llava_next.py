@@ -59,9 +59,10 @@ def anyres_tokens(height: int, width: int, pinpoints: list, tile: int, patch: in
 
 
 def tiles(height: int, width: int, pinpoints: list, tile: int) -> int:
-    """Tiles of the best canvas (LlavaNext's image_size_to_num_patches, less the base tile)."""
+    """Tiles of the best canvas (LlavaNext's image_size_to_num_patches, less the base tile: it steps over the
+    canvas in strides of a tile, so a canvas side that is not a whole number of tiles rounds up)."""
     canvas_h, canvas_w = select_best_resolution(height, width, pinpoints)
-    return (canvas_h // tile) * (canvas_w // tile)
+    return -(-canvas_h // tile) * -(-canvas_w // tile)
 
 
 class LlavaNextSpec(LlavaSpec):
