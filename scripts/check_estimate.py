@@ -28,8 +28,8 @@ TINY_SETTINGS = {
     "fp32 + bf16 autocast": [],
     "bf16 weights": ["train.param_dtype=bfloat16", "train.autocast_dtype=null"],
 }
-TINY_MODELS = ["nanovlm_tiny", "qwen2_vl_tiny", "qwen2_5_vl_tiny", "llava_tiny", "idefics3_tiny", "gemma3_tiny",
-               "mllama_tiny"]
+TINY_MODELS = ["nanovlm_tiny", "qwen2_vl_tiny", "qwen2_5_vl_tiny", "qwen3_vl_tiny", "llava_tiny", "llava_next_tiny",
+               "idefics3_tiny", "gemma3_tiny", "mllama_tiny"]
 TINY_LENGTHS = "[48,64]"  # lm_max_length of the smoke sweep's points: every tiny variant's images fit (idefics3_tiny's take 33)
 CUDA_SWEEPS = ["seq_len", "qwen2_vl_image_size"]
 

@@ -17,3 +17,23 @@ def siglip_params(v: dict) -> int:
     embeddings = v["num_channels"] * v["patch_size"] ** 2 * d + d + side**2 * d
     layer = 4 * (d * d + d) + (d * f + f) + (f * d + d) + 2 * 2 * d
     return embeddings + v["num_hidden_layers"] * layer + 2 * d
+
+
+def qk_norm_lm_params(t: dict, norms_per_layer: int) -> int:
+    """An LM without its head whose attention normalises each head's q and k (Gemma 3, Qwen3): embedding, per
+    layer q/k/v/o without bias, an RMSNorm of head_dim over q and one over k, a gated MLP without bias and
+    `norms_per_layer` RMSNorms of the width (Qwen3 2, Gemma 3 4), the final norm."""
+    d, f, head = t["hidden_size"], t["intermediate_size"], t["head_dim"]
+    q, kv = t["num_attention_heads"] * head, t["num_key_value_heads"] * head
+    layer = 2 * d * q + 2 * d * kv + 2 * head + 3 * d * f + norms_per_layer * d
+    return t["vocab_size"] * d + t["num_hidden_layers"] * layer + d
+
+
+def clip_vision_params(v: dict) -> int:
+    """transformers' CLIPVisionModel (LLaVA's and LLaVA-NeXT's tower): class embedding, Conv2d patch embedding
+    without bias, a position embedding per patch + class token, the pre-LayerNorm, per layer four attention
+    Linears and two MLP Linears with bias and two LayerNorms, the post-LayerNorm."""
+    d, f, patches = v["hidden_size"], v["intermediate_size"], (v["image_size"] // v["patch_size"]) ** 2
+    embeddings = d + v["num_channels"] * v["patch_size"] ** 2 * d + (patches + 1) * d
+    layer = 4 * (d * d + d) + (d * f + f) + (f * d + d) + 2 * 2 * d
+    return embeddings + 2 * d + v["num_hidden_layers"] * layer + 2 * d

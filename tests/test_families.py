@@ -14,15 +14,18 @@ from vlmprobe.worker import measure
 FAMILIES = {  # tiny config -> data that fits it (the images take 16 tokens in each, 20 in
     # idefics3_tiny and internvl_tiny, one per image in mllama_tiny)
     "qwen2_5_vl_tiny": ["data.batch_size=2", "data.lm_max_length=64"],
+    "qwen3_vl_tiny": ["data.batch_size=2", "data.lm_max_length=48"],
     "llava_tiny": ["data.batch_size=2", "data.lm_max_length=48"],
+    "llava_next_tiny": ["data.batch_size=2", "data.lm_max_length=48"],  # 36 image tokens: base tile + 2 tiles
     "idefics3_tiny": ["data.batch_size=2", "data.lm_max_length=48"],
     "gemma3_tiny": ["data.batch_size=2", "data.lm_max_length=48"],
     "mllama_tiny": ["data.batch_size=2", "data.lm_max_length=48"],
     "internvl_tiny": ["data.batch_size=2", "data.lm_max_length=48", "data.image_size=112"],  # 2 x 2 tiles + thumbnail
 }
-# the projector of each family where it is a module of its own (Qwen's merger lives inside its vision tower,
-# frozen with it)
-PROJECTORS = {"qwen2_5_vl_tiny": set(), "llava_tiny": {"multi_modal_projector"}, "idefics3_tiny": {"connector"},
+# the projector of each family where it is a module of its own (Qwen's merger, and Qwen3-VL's DeepStack
+# projectors, live inside its vision tower, frozen with it)
+PROJECTORS = {"qwen2_5_vl_tiny": set(), "qwen3_vl_tiny": set(), "llava_tiny": {"multi_modal_projector"},
+              "llava_next_tiny": {"multi_modal_projector", "image_newline"}, "idefics3_tiny": {"connector"},
               "gemma3_tiny": {"multi_modal_projector"}, "mllama_tiny": {"multi_modal_projector"},
               "internvl_tiny": {"multi_modal_projector"}}
 BYTE_COLUMNS = ("peak_allocated_bytes", "last_step_peak_allocated_bytes", "forward_peak_bytes", "backward_peak_bytes",
@@ -82,9 +85,14 @@ def tower_params(spec, model, tower) -> int:
 SLOW_SETTINGS = {"fp32", "fp32+bf16_autocast"}
 
 
-@pytest.mark.parametrize("setting", [pytest.param(s, marks=pytest.mark.slow) if s in SLOW_SETTINGS else s
-                                     for s in SETTINGS])
-@pytest.mark.parametrize("family", FAMILIES)
+# Families added later keep one setting (every knob at once) in the non-slow suite, within its time budget
+ONE_FAST_SETTING = {"qwen3_vl_tiny", "llava_next_tiny"}
+
+
+@pytest.mark.parametrize("family,setting", [
+    pytest.param(f, s, marks=pytest.mark.slow)
+    if s in SLOW_SETTINGS or (f in ONE_FAST_SETTING and s != "checkpointing_lora_frozen_vision") else (f, s)
+    for f in FAMILIES for s in SETTINGS])
 def test_estimate_equals_the_cpu_backend_to_the_byte(run, family, setting):
     overrides = base(family, *SETTINGS[setting])
     _, estimate = run(overrides)
@@ -96,6 +104,7 @@ def test_estimate_equals_the_cpu_backend_to_the_byte(run, family, setting):
 # parameters a real step leaves without a gradient: LLaVA's vision_feature_layer -2 leaves the last CLIP layer and
 # post_layernorm running but feeding nothing (as in real LLaVA training)
 UNUSED = {"llava_tiny": ("model.vision_tower.encoder.layers.1.", "model.vision_tower.post_layernorm.")}
+UNUSED["llava_next_tiny"] = UNUSED["llava_tiny"]
 
 
 @pytest.mark.parametrize("family", FAMILIES)

@@ -5,7 +5,7 @@ cpu and the knobs: test_families.py.)"""
 import pytest
 import torch
 
-from hand_counts import siglip_params
+from hand_counts import qk_norm_lm_params, siglip_params
 from vlmprobe.errors import ConfigError
 from vlmprobe.models.base import IGNORE_INDEX, DataShape, count_params
 
@@ -20,12 +20,8 @@ def spec(compose):
 
 
 def gemma3_lm_params(t: dict) -> int:
-    """Hand count of the Gemma 3 LM without its (tied) head: embedding, per layer q/k/v/o without bias, RMSNorms
-    over each head's q and k, a gated MLP without bias and four RMSNorms, the final norm."""
-    d, f, head = t["hidden_size"], t["intermediate_size"], t["head_dim"]
-    q, kv = t["num_attention_heads"] * head, t["num_key_value_heads"] * head
-    layer = 2 * d * q + 2 * d * kv + 2 * head + 3 * d * f + 4 * d
-    return t["vocab_size"] * d + t["num_hidden_layers"] * layer + d
+    """Hand count of the Gemma 3 LM without its (tied) head: q/k norms and four RMSNorms per layer."""
+    return qk_norm_lm_params(t, 4)
 
 
 def test_gemma3_4b_on_meta_has_the_published_parameter_count(spec):

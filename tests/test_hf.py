@@ -3,7 +3,9 @@ its shipped YAML builds; every way the path can be wrong is one line; nothing is
 
 tests/data/hf/ holds config.json files in the Hub's own layouts (flat Qwen configs with the legacy
 rope_scaling and in_chans, LLaVA's nested sub-configs that leave Llama/CLIP defaults out), written from the
-published files of Qwen/Qwen2.5-VL-7B-Instruct, Qwen/Qwen2-VL-2B-Instruct and llava-hf/llava-1.5-7b-hf,
+published files of Qwen/Qwen2.5-VL-7B-Instruct, Qwen/Qwen2-VL-2B-Instruct, llava-hf/llava-1.5-7b-hf,
+Qwen/Qwen3-VL-8B-Instruct and llava-hf/llava-v1.6-mistral-7b-hf (the last two from copies of the Hub files in
+public code: no hub access here),
 and tiny ones in the same layouts."""
 
 import pytest
@@ -46,6 +48,8 @@ def spec(compose):
     ("llava-1.5-7b-hf", "llava_1_5_7b", 7_063_427_072),
     ("SmolVLM-256M-Instruct", "smolvlm_256m", 256_484_928),
     ("gemma-3-4b-it", "gemma3_4b", 4_300_079_472),
+    ("Qwen3-VL-8B-Instruct", "qwen3_vl_8b", 8_767_123_696),
+    ("llava-v1.6-mistral-7b-hf", "llava_v1_6_mistral_7b", 7_566_747_648),
 ])
 def test_a_published_config_json_builds_what_its_shipped_yaml_builds(spec, folder, shipped, params):
     from_json = spec("model=hf", f"model.config={DATA / folder}")
@@ -130,8 +134,9 @@ def _write(path, text):
     ("folder without config.json", r"model.config=.*/empty is not allowed: the folder has no config.json"),
     ("not JSON", r"model.config=.*/broken.json is not allowed: it cannot be read as JSON"),
     ("not an object", r"model.config=.*/list.json is not allowed: it is JSON but not an object of config keys"),
-    ("unsupported family", r"model.config=.*/llava_next is not allowed: its model_type 'llava_next' is not a family vlmprobe "
-                           r"builds \(supported: gemma3, idefics3, internvl, llava, mllama, qwen2_5_vl, qwen2_vl, smolvlm\)"),
+    ("unsupported family", r"model.config=.*/paligemma is not allowed: its model_type 'paligemma' is not a family vlmprobe "
+                           r"builds \(supported: gemma3, idefics3, internvl, llava, llava_next, mllama, qwen2_5_vl, "
+                           r"qwen2_vl, qwen3_vl, smolvlm\)"),
     ("no model_type", r"model.config=.*/bare.json is not allowed: its model_type None is not a family"),
 ])
 def test_a_config_path_that_cannot_be_used_is_one_line(plan_points, tmp_path, case, message):
@@ -142,7 +147,7 @@ def test_a_config_path_that_cannot_be_used_is_one_line(plan_points, tmp_path, ca
         "folder without config.json": tmp_path / "empty",
         "not JSON": _write(tmp_path / "broken.json", "{not json"),
         "not an object": _write(tmp_path / "list.json", "[1, 2]"),
-        "unsupported family": _write(tmp_path / "llava_next" / "config.json", '{"model_type": "llava_next"}').parent,
+        "unsupported family": _write(tmp_path / "paligemma" / "config.json", '{"model_type": "paligemma"}').parent,
         "no model_type": _write(tmp_path / "bare.json", '{"hidden_size": 8}'),
     }
     with pytest.raises(ConfigError, match=message) as error:

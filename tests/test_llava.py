@@ -5,7 +5,7 @@ and the model's own image features, consistent inputs, and image sizes the model
 import pytest
 import torch
 
-from hand_counts import llama_params
+from hand_counts import clip_vision_params, llama_params
 from vlmprobe.errors import ConfigError
 from vlmprobe.models.base import IGNORE_INDEX, DataShape, count_params
 
@@ -19,28 +19,24 @@ def spec(compose):
     return lambda name, *extra: instantiate(compose([f"model={name}", *extra]).model, _convert_="all")
 
 
-def clip_vision_params(v: dict) -> int:
-    """Hand count of transformers' CLIPVisionModel (no transformers): class embedding, Conv2d patch
-    embedding without bias, a position embedding per patch + class token, the pre-LayerNorm, per layer four
-    attention Linears and two MLP Linears with bias and two LayerNorms, the post-LayerNorm."""
-    d, f, patches = v["hidden_size"], v["intermediate_size"], (v["image_size"] // v["patch_size"]) ** 2
-    embeddings = d + v["num_channels"] * v["patch_size"] ** 2 * d + (patches + 1) * d
-    layer = 4 * (d * d + d) + (d * f + f) + (f * d + d) + 2 * 2 * d
-    return embeddings + 2 * d + v["num_hidden_layers"] * layer + 2 * d
-
-
-def test_llava_1_5_7b_on_meta_has_the_published_parameter_count(spec):
-    # 7,063,427,072: the Hub's safetensors count of llava-hf/llava-1.5-7b-hf ("7.06B"; recalled, no hub access
-    # here), equal to the hand count of its parts below
-    llava = spec("llava_1_5_7b")
+# 7,063,427,072: the Hub's safetensors count of llava-hf/llava-1.5-7b-hf ("7.06B"); llava-hf/llava-v1.6-mistral-7b-hf's
+# page says "7.57B" (both recalled, no hub access here); each equal to the hand count of its parts below. LLaVA-NeXT
+# adds the image_newline vector (one LM width) to LLaVA's parts.
+@pytest.mark.parametrize("name,total,parts,newline", [
+    ("llava_1_5_7b", 7_063_427_072, (303_507_456, 20_979_712, 6_607_605_760, 131_334_144), 0),
+    ("llava_v1_6_mistral_7b", 7_566_747_648, (303_507_456, 20_979_712, 7_110_922_240, 131_334_144), 4096),  # Mistral LM
+])
+def test_published_llava_models_on_meta_match_the_hand_count_of_their_config(spec, name, total, parts, newline):
+    llava = spec(name)
     model = llava.build("meta", torch.bfloat16, init=False)
-    assert count_params(model) == (7_063_427_072, 7_063_427_072)
-    parts = (model.model.vision_tower, model.model.multi_modal_projector, model.model.language_model, model.lm_head)
-    assert tuple(count_params(m)[0] for m in parts) == (303_507_456, 20_979_712, 6_607_605_760, 131_334_144)
+    assert count_params(model) == (total, total)
+    modules = (model.model.vision_tower, model.model.multi_modal_projector, model.model.language_model, model.lm_head)
+    assert tuple(count_params(m)[0] for m in modules) == parts and total == sum(parts) + newline
     assert count_params(model.model.vision_tower)[0] == clip_vision_params(llava.vision)
-    assert count_params(model.model.language_model)[0] == llama_params(llava.text)
+    assert count_params(model.model.language_model)[0] == llama_params(llava.text)  # Mistral has Llama's layout
     d_v, d = llava.vision["hidden_size"], llava.text["hidden_size"]
     assert count_params(model.model.multi_modal_projector)[0] == (d_v * d + d) + (d * d + d)  # 2-layer MLP
+    assert newline == (d if hasattr(model.model, "image_newline") else 0)
 
 
 def test_a_336_px_image_is_576_tokens_and_the_tiny_one_16(spec):

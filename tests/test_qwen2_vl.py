@@ -114,8 +114,9 @@ def test_pixel_values_and_grid_have_the_shapes_the_real_image_processor_gives(sp
         assert torch.equal(ours["image_grid_thw"], real["image_grid_thw"])
 
 
-def test_batch_position_ids_are_the_models_own_m_rope_index(spec):
-    tiny = spec("qwen2_vl_tiny")
+@pytest.mark.parametrize("family", ["qwen2_vl_tiny", "qwen3_vl_tiny"])  # Qwen3-VL's get_rope_index, same rule
+def test_batch_position_ids_are_the_models_own_m_rope_index(spec, family):
+    tiny = spec(family)
     model = tiny.build("cpu", torch.float32)
     for data in (DataShape(2, 40), DataShape(2, 60, images_per_sample=2), DataShape(1, 80, image_size=150)):
         batch = tiny.batch(data, CPU)
@@ -163,7 +164,8 @@ def test_the_fake_tensor_constant_limit_is_raised_only_while_a_batch_lives(spec)
     gc.collect()  # batches of earlier tests, if any are still referenced, hold their own raise
     before = fake_tensor.CONSTANT_NUMEL_LIMIT
     batch = spec("qwen2_vl_tiny").batch(DataShape(batch_size=2, lm_max_length=40), CPU)
-    assert fake_tensor.CONSTANT_NUMEL_LIMIT == max(before, 2 * 40)  # the batch's token count
+    # the batch's token count (2 x 40), or its patch count where that is larger: 2 images of 8 x 8 patches
+    assert fake_tensor.CONSTANT_NUMEL_LIMIT == max(before, 2 * 40, 2 * 64)
     del batch
     gc.collect()
     assert fake_tensor.CONSTANT_NUMEL_LIMIT == before

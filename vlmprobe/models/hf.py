@@ -26,11 +26,14 @@ def families() -> dict:
     from vlmprobe.models.idefics3 import Idefics3Spec, SmolVLMSpec
     from vlmprobe.models.internvl import InternVLSpec
     from vlmprobe.models.llava import LlavaSpec
+    from vlmprobe.models.llava_next import LlavaNextSpec
     from vlmprobe.models.mllama import MllamaSpec
     from vlmprobe.models.qwen2_5_vl import Qwen2_5_VLSpec
     from vlmprobe.models.qwen2_vl import Qwen2VLSpec
+    from vlmprobe.models.qwen3_vl import Qwen3VLSpec
 
-    return {"qwen2_vl": Qwen2VLSpec, "qwen2_5_vl": Qwen2_5_VLSpec, "llava": LlavaSpec, "idefics3": Idefics3Spec,
+    return {"qwen2_vl": Qwen2VLSpec, "qwen2_5_vl": Qwen2_5_VLSpec, "qwen3_vl": Qwen3VLSpec, "llava": LlavaSpec,
+            "llava_next": LlavaNextSpec, "idefics3": Idefics3Spec,
             "smolvlm": SmolVLMSpec, "gemma3": Gemma3Spec,
             "mllama": MllamaSpec, "internvl": InternVLSpec}
 

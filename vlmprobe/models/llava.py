@@ -16,6 +16,9 @@ image-token count check reads input_ids: they are constant fakes (vlmprobe/model
 
 Towers: vision = the vision tower; lm = the language model and lm_head; the projector belongs to neither
 (it stays trainable when either tower is frozen, as LLaVA's own recipes train it).
+
+LLaVA-NeXT (llava_next.py) is this family with anyres tiling: it subclasses LlavaSpec, overriding
+config_class, model_class, family_config, image_tokens and image_inputs.
 """
 
 from __future__ import annotations
@@ -34,6 +37,19 @@ STRATEGIES = ("default", "full")  # "default" drops the first token of the selec
 
 class LlavaSpec(ModelSpec):
     """Hydra target for conf/model/llava_*.yaml."""
+
+    # -- what differs between LLaVA and LLaVA-NeXT (a subclass overrides these) ------------------------------
+    config_class = "LlavaConfig"  # transformers classes, by name (imported when a model is built)
+    model_class = "LlavaForConditionalGeneration"
+
+    def family_config(self) -> dict:
+        """Config fields of the subclass's own (LLaVA-NeXT's tiling grid); none here."""
+        return {}
+
+    @classmethod
+    def family_kwargs(cls, config) -> dict:
+        """Spec arguments of the subclass's own, read from a transformers config; none here."""
+        return {}
 
     def __init__(self, name: str, vision: dict, text: dict, image_token_id: int, projector_hidden_act: str,
                  vision_feature_layer: int | list[int], vision_feature_select_strategy: str,
@@ -60,13 +76,13 @@ class LlavaSpec(ModelSpec):
 
     @classmethod
     def from_hf_config(cls, raw: dict, *, name: str, attn_implementation: str, preprocessor: dict | None):
-        """The spec of a LLaVA config.json (`raw`), read through transformers' LlavaConfig (sub-configs it
+        """The spec of a LLaVA config.json (`raw`), read through transformers' config class (sub-configs it
         leaves out take their class defaults, as from_pretrained gives them). preprocessor_config.json is
-        not needed: the crop size is the tower's image_size."""
-        from transformers import LlavaConfig
+        not needed: the crop (tile) size is the tower's image_size."""
+        import transformers
 
-        config = LlavaConfig(**raw)
-        return cls(name=name, vision=hyperparameters(config.vision_config), text=hyperparameters(config.text_config),
+        config = getattr(transformers, cls.config_class)(**raw)
+        return cls(**cls.family_kwargs(config), name=name, vision=hyperparameters(config.vision_config), text=hyperparameters(config.text_config),
                    image_token_id=config.image_token_id, pad_token_id=getattr(config, "pad_token_id", None),
                    projector_hidden_act=config.projector_hidden_act, vision_feature_layer=config.vision_feature_layer,
                    vision_feature_select_strategy=config.vision_feature_select_strategy,
@@ -75,9 +91,9 @@ class LlavaSpec(ModelSpec):
 
     # -- image geometry -------------------------------------------------------------------------------
     def tokens_per_image(self) -> int:
-        """LM tokens of one image: the tower's output sequence (patches + class token), less the first
+        """LM tokens of one tower-size image (LLaVA-NeXT: of one tile): the tower's output sequence (patches + class token), less the first
         token under the "default" strategy (LlavaProcessor: patches + num_additional_image_tokens - 1)."""
-        patches = (self.native_image_size // self.vision["patch_size"]) ** 2
+        patches = (self.vision["image_size"] // self.vision["patch_size"]) ** 2
         return patches + CLASS_TOKENS[self.vision["model_type"]] - (self.vision_feature_select_strategy == "default")
 
     def image_tokens(self, data: DataShape) -> int:
@@ -99,9 +115,9 @@ class LlavaSpec(ModelSpec):
 
     # -- model ----------------------------------------------------------------------------------------
     def config(self):
-        from transformers import LlavaConfig
+        import transformers
 
-        return LlavaConfig(vision_config=dict(self.vision), text_config={**self.text, "use_cache": False},
+        return getattr(transformers, self.config_class)(**self.family_config(), vision_config=dict(self.vision), text_config={**self.text, "use_cache": False},
                            image_token_id=self.image_token_id, pad_token_id=self.pad_token_id,
                            projector_hidden_act=self.projector_hidden_act,
                            vision_feature_layer=self.vision_feature_layer,
@@ -111,9 +127,9 @@ class LlavaSpec(ModelSpec):
                            attn_implementation=self.attn_implementation)
 
     def _construct(self) -> nn.Module:
-        from transformers import LlavaForConditionalGeneration
+        import transformers
 
-        model = LlavaForConditionalGeneration(self.config())
+        model = getattr(transformers, self.model_class)(self.config())
         model.tie_weights()  # post_init does not tie under no_init_weights (a no-op where untied)
         return model
 
@@ -127,16 +143,21 @@ class LlavaSpec(ModelSpec):
         # ordinary text ids lie below <image>
         return prompt_then_text(prompt, data.lm_max_length, min(self.image_token_id, self.text["vocab_size"]))
 
+    def image_inputs(self, n_images: int, data: DataShape, device: torch.device) -> dict:
+        """The image processor's outputs for `n_images` images of this point: pixel_values of the tower's size."""
+        size = self.vision["image_size"]
+        return {"pixel_values": torch.randn(n_images, self.vision.get("num_channels", 3), size, size,
+                                            dtype=torch.float32, device=device)}
+
     def batch(self, data: DataShape, device: torch.device) -> dict:
         self.validate(data)
         input_ids, labels = self._sample(data)
-        b, size = data.batch_size, self.native_image_size
+        b = data.batch_size
         release = hold_constant_limit(b * data.lm_max_length)  # the forward counts image tokens in input_ids
         batch = {
             "input_ids": constant_tensor([input_ids] * b, device),
             "labels": constant_tensor([labels] * b, device),
-            "pixel_values": torch.randn(b * data.images_per_sample, self.vision.get("num_channels", 3), size, size,
-                                        dtype=torch.float32, device=device),
+            **self.image_inputs(b * data.images_per_sample, data, device),
         }
         release_with(batch["input_ids"], release)
         return batch

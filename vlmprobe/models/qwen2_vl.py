@@ -28,7 +28,8 @@ the model's get_rope_index builds them from fresh aranges, which fake mode canno
 
 Qwen2.5-VL (qwen2_5_vl.py) is this family with another vision tower: the same processor, the same batch
 plus its window-attention index. It subclasses Qwen2VLSpec, overriding config_class, model_class and
-vision_inputs.
+vision_inputs. Qwen3-VL (qwen3_vl.py) is this family too (16 px patches, DeepStack inside the model),
+overriding config_class, model_class and published_pixels.
 """
 
 from __future__ import annotations
@@ -87,8 +88,6 @@ def mrope_position_ids(layout: list[tuple[str, int | tuple[int, int]]]) -> list[
     return [t, h, w]
 
 
-# Qwen2-VL's preprocessor_config.json (the same for Qwen2.5-VL): a config.json read without one gets these
-MIN_PIXELS, MAX_PIXELS = 3136, 12845056  # 56 * 56; 16384 * 28 * 28 (transformers' class default is 1280 * 28 * 28)
 DEFAULT_IMAGE_SIZE = 448  # px per side when data.image_size is null (no native size): 1024 patches, 256 tokens
 TOKEN_KEYS = ("vision_start_token_id", "vision_end_token_id", "image_token_id", "video_token_id")
 
@@ -99,6 +98,8 @@ class Qwen2VLSpec(ModelSpec):
     # -- what differs between Qwen2-VL and Qwen2.5-VL (subclasses override these) ------------------------
     config_class = "Qwen2VLConfig"  # transformers classes, by name (imported when a model is built)
     model_class = "Qwen2VLForConditionalGeneration"
+    # Qwen2-VL's preprocessor_config.json (the same for Qwen2.5-VL): a config.json read without one gets these
+    published_pixels = (3136, 12845056)  # 56 * 56; 16384 * 28 * 28 (transformers' class default is 1280 * 28 * 28)
 
     def __init__(self, name: str, image_size: int, min_pixels: int, max_pixels: int, token_ids: dict,
                  vision: dict, text: dict, tie_word_embeddings: bool, attn_implementation: str = "sdpa"):
@@ -122,7 +123,7 @@ class Qwen2VLSpec(ModelSpec):
 
         config = getattr(transformers, cls.config_class)(**raw)
         text, vision = config.text_config, config.vision_config
-        low, high = pixel_bounds_of(preprocessor or {})
+        low, high = pixel_bounds_of(preprocessor or {}, cls.published_pixels)
         return cls(name=name, image_size=DEFAULT_IMAGE_SIZE, min_pixels=low, max_pixels=high,
                    token_ids={"bos_token_id": text.bos_token_id, "eos_token_id": text.eos_token_id,
                               **{k: getattr(config, k) for k in TOKEN_KEYS}},
@@ -234,8 +235,11 @@ class Qwen2VLSpec(ModelSpec):
                         * self.vision["patch_size"] ** 2)
 
         # The limit stays raised while the batch lives: the forward reads the constants, and so does the
-        # backward when activation checkpointing recomputes vision blocks (cu_seqlens split sizes).
-        release = hold_constant_limit(b * data.lm_max_length)
+        # backward when activation checkpointing recomputes vision blocks (cu_seqlens split sizes). It covers
+        # one value per patch as well: Qwen3-VL's vision tower repeats each image's grid size per patch
+        # (repeat_interleave, whose output size fake tensors know only from constants) to resample its
+        # position table.
+        release = hold_constant_limit(max(b * data.lm_max_length, n_images * rows * cols))
         batch = {
             "input_ids": constant_tensor([input_ids] * b, device),
             "labels": constant_tensor([labels] * b, device),
@@ -287,10 +291,10 @@ class Qwen2VLSpec(ModelSpec):
         return batch, context()
 
 
-def pixel_bounds_of(preprocessor: dict) -> tuple[int, int]:
+def pixel_bounds_of(preprocessor: dict, published: tuple[int, int]) -> tuple[int, int]:
     """(min_pixels, max_pixels) of a Qwen preprocessor_config.json: older files name them, newer ones (and
-    transformers 5) keep them as size.shortest_edge / size.longest_edge; the published values otherwise."""
+    transformers 5) keep them as size.shortest_edge / size.longest_edge; the `published` values otherwise."""
     size = preprocessor.get("size") or {}
-    low = preprocessor.get("min_pixels") or size.get("shortest_edge") or MIN_PIXELS
-    high = preprocessor.get("max_pixels") or size.get("longest_edge") or MAX_PIXELS
+    low = preprocessor.get("min_pixels") or size.get("shortest_edge") or published[0]
+    high = preprocessor.get("max_pixels") or size.get("longest_edge") or published[1]
     return int(low), int(high)
