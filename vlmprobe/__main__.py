@@ -143,7 +143,7 @@ def check_size(compose, overrides: list[str], base: dict, count: int) -> None:
     import time
 
     from vlmprobe.errors import ConfigError
-    from vlmprobe.plan import grid_points, plan_point
+    from vlmprobe.plan import Composer, grid_points, plan_point
     from vlmprobe.sweep import run_point
 
     limit = base["sweep"]["max_points"]
@@ -152,7 +152,7 @@ def check_size(compose, overrides: list[str], base: dict, count: int) -> None:
     what = f"this sweep has {count:,} points, more than sweep.max_points={limit:,}"
     if base["dry_run"]:
         raise ConfigError(f"{what}: raise it (sweep.max_points={count}) to run them")
-    first = plan_point(compose, overrides, grid_points(overrides, base)[0])
+    first = plan_point(Composer(compose, overrides), grid_points(overrides, base)[0])
     say(f"vlmprobe: {what}: timing one point to say how long they would take")
     start = time.perf_counter()
     run_point(first.config)

@@ -21,7 +21,7 @@ from tqdm import tqdm
 from vlmprobe.estimate import device_profile
 from vlmprobe.errors import ConfigError
 from vlmprobe.grid import Point
-from vlmprobe.plan import grid_points, plan_point
+from vlmprobe.plan import Composer, grid_points, plan_point
 from vlmprobe.sizes import parse_bytes
 from vlmprobe.results import GiB, MiB
 
@@ -74,13 +74,13 @@ class MaxBatchSearch:
             # every backend runs out of memory where a card of the budget's size would: the allocator model
             # gets it as its capacity, a larger CUDA card as the caching allocator's limit
             self.overrides.append(f"measure.device_memory={self.budget}")
-        self.compose = compose
+        self.composer = Composer(compose, self.overrides)
         self.planned = [self.probe_point(p, self.low) for p in self.points]  # validates every configuration
         self.found: list[dict] = []
 
     def probe_point(self, point, batch_size: int):
         values = {**point.values, "data.batch_size": batch_size}
-        return plan_point(self.compose, self.overrides, Point(point.index, values, point.case))
+        return plan_point(self.composer, Point(point.index, values, point.case))
 
     def run(self, runner) -> None:
         """Bisect every configuration through `runner` (sweep.Runner: probes resumed from its rows are reused)."""
