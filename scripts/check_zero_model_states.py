@@ -65,25 +65,33 @@ def sizes(config: dict) -> tuple[int, int]:
 
 # formula - ours, term by term (see the module doc); P parameters, L the largest module's, N ranks, R the
 # reduce bucket in elements
+RANKS_PER_NODE = 8  # dist.ranks_per_node's default: DeepSpeed's CPU figure is per node
+BUFFER_FACTOR = 1.5  # additional_buffer_factor, the margin DeepSpeed's formulas multiply their CPU bytes by
 EXPLAINED = {2: lambda P, L, N, R: 6 * P / N, 3: lambda P, L, N, R: 4 * L + 2 * P / N - 2 * R}
 
 
-def deepspeed_formula(stage: int, params: int, largest: int, world: int) -> int:
+def deepspeed_formula(stage: int, params: int, largest: int, world: int, offload: bool = False) -> tuple[int, int]:
+    """(CPU bytes per node, GPU bytes per GPU) of DeepSpeed's formula for one node of `world` GPUs; offload:
+    the optimizer (stage 2) or the optimizer and the parameters (stage 3) on the CPU, built under zero.Init
+    for stage 3 (zero_init: the steady state, not the load of one whole model per rank)."""
     # DeepSpeed logs to stdout (its accelerator choice, on import): keep the printed table clean
     with contextlib.redirect_stdout(sys.stderr):
         from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
         from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
 
     if stage == 2:
-        return estimate_zero2_model_states_mem_needs(params, world, cpu_offload=False)[1]
-    return estimate_zero3_model_states_mem_needs(params, largest, world, cpu_offload=False)[1]
+        return estimate_zero2_model_states_mem_needs(params, world, cpu_offload=offload)
+    return estimate_zero3_model_states_mem_needs(params, largest, world, cpu_offload=offload,
+                                                 cpu_offload_params=offload, zero_init=True)[:2]
 
 
-RAW = ["model", "stage", "N", "P", "L", "R", "after_load_bytes", "after_step_bytes", "params_bytes", "grads_bytes",
-       "optimizer_state_bytes", "peak_allocated_bytes", "simulation_s"]
+RAW = ["model", "stage", "N", "offload", "P", "L", "R", "after_load_bytes", "after_step_bytes", "params_bytes",
+       "grads_bytes", "optimizer_state_bytes", "peak_allocated_bytes", "after_step_host_bytes", "peak_host_bytes",
+       "simulation_s"]
+OFFLOAD = {2: ["dist.offload_optimizer=cpu"], 3: ["dist.offload_optimizer=cpu", "dist.offload_param=cpu"]}
 
 
-def simulate(models: list[str], stages: list[int], worlds: list[int]) -> pd.DataFrame:
+def simulate(models: list[str], stages: list[int], worlds: list[int], offload: bool = False) -> pd.DataFrame:
     """Rank 0's figures of each (model, stage, world size): one fresh-process simulation each."""
     raw = []
     for model in models:
@@ -91,7 +99,8 @@ def simulate(models: list[str], stages: list[int], worlds: list[int]) -> pd.Data
         for stage in stages:
             for world in worlds:
                 config = planned_config([f"model={model}", *SETUP, *SHORT.get(model, []), f"dist=zero{stage}",
-                                         f"dist.world_size={world}", "measure.backend=estimate"])
+                                         f"dist.world_size={world}", "measure.backend=estimate",
+                                         *(OFFLOAD[stage] if offload else [])])
                 if params is None:
                     params, largest = sizes(config)
                 started = time.perf_counter()
@@ -102,6 +111,7 @@ def simulate(models: list[str], stages: list[int], worlds: list[int]) -> pd.Data
                     print(f"  {row.get('error', '')[:300]}", file=sys.stderr)
                     continue
                 raw.append({**{k: row[k] for k in RAW if k in row}, "model": model, "stage": stage, "N": world,
+                            "offload": offload,
                             "P": params, "L": largest, "R": config["dist"]["reduce_bucket_size"], "simulation_s": took})
     return pd.DataFrame(raw, columns=RAW)
 
@@ -110,7 +120,7 @@ def compare(raw: pd.DataFrame) -> pd.DataFrame:
     rows = []
     for r in raw.itertuples():
         ours = r.after_step_bytes
-        theirs = deepspeed_formula(r.stage, r.P, r.L, r.N)
+        theirs = deepspeed_formula(r.stage, r.P, r.L, r.N)[1]
         explained = EXPLAINED[r.stage](r.P, r.L, r.N, r.R)
         rows.append({"model": r.model, "stage": r.stage, "N": r.N,
                      "bf16 params": r.params_bytes / GiB, "grads before step": r.grads_bytes / GiB,
@@ -121,11 +131,31 @@ def compare(raw: pd.DataFrame) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
+def compare_offload(raw: pd.DataFrame) -> pd.DataFrame:
+    """Device and host, offloaded: ours per rank (host also per node: ranks_per_node ranks alike) beside
+    DeepSpeed's GPU bytes per GPU and CPU bytes per node (its additional_buffer_factor 1.5 taken out)."""
+    rows = []
+    for r in raw.itertuples():
+        cpu, gpu = deepspeed_formula(r.stage, r.P, r.L, r.N, offload=True)
+        node = min(r.N, RANKS_PER_NODE)
+        rows.append({"model": r.model, "stage": r.stage, "N": r.N,
+                     "device after step (ours)": r.after_step_bytes / GiB, "DeepSpeed GPU": gpu / GiB,
+                     "device peak (ours)": r.peak_allocated_bytes / GiB,
+                     "host after step, rank (ours)": r.after_step_host_bytes / GiB,
+                     "host after step, node (ours)": node * r.after_step_host_bytes / GiB,
+                     "DeepSpeed CPU, node": cpu / BUFFER_FACTOR / GiB,
+                     "ours / DeepSpeed, host": node * r.after_step_host_bytes / (cpu / BUFFER_FACTOR),
+                     "host peak, node (ours)": node * r.peak_host_bytes / GiB})
+    return pd.DataFrame(rows)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", default="nanovlm_222m,qwen2_vl_2b")
     parser.add_argument("--worlds", default="1,2,4,8,16")
     parser.add_argument("--stages", default="2,3")
+    parser.add_argument("--offload", action="store_true",
+                        help="offload to the CPU: the optimizer (stage 2), the optimizer and the parameters (stage 3)")
     parser.add_argument("--save", help="write the simulations' raw figures (bytes) to this CSV")
     parser.add_argument("--rows", help="print the table from a CSV written by --save instead of simulating")
     args = parser.parse_args()
@@ -133,13 +163,21 @@ def main() -> int:
         raw = pd.read_csv(args.rows)
     else:
         raw = simulate(args.models.split(","), list(map(int, args.stages.split(","))),
-                       list(map(int, args.worlds.split(","))))
+                       list(map(int, args.worlds.split(","))), args.offload)
         if args.save:
             raw.to_csv(args.save, index=False)
-    print(compare(raw).to_markdown(index=False, floatfmt=".3f"))
-    print("\nGiB = 1024^3 bytes. Ours: backend estimate, rank 0 (DeepSpeed ZeRO on a fake process group), "
-          "allocated after the last optimizer step. DeepSpeed formula: deepspeed.runtime.zero "
-          "estimate_zero{2,3}_model_states_mem_needs, cpu_offload=False.")
+    offloaded = raw["offload"].astype(bool) if "offload" in raw else pd.Series(False, index=raw.index)
+    if (~offloaded).any():
+        print(compare(raw[~offloaded]).to_markdown(index=False, floatfmt=".3f"))
+        print("\nGiB = 1024^3 bytes. Ours: backend estimate, rank 0 (DeepSpeed ZeRO on a fake process group), "
+              "allocated after the last optimizer step. DeepSpeed formula: deepspeed.runtime.zero "
+              "estimate_zero{2,3}_model_states_mem_needs, cpu_offload=False.")
+    if offloaded.any():
+        print(compare_offload(raw[offloaded]).to_markdown(index=False, floatfmt=".3f"))
+        print("\nGiB = 1024^3 bytes. Ours: backend estimate, rank 0, host buffers told apart "
+              "(vlmprobe.distributed.host_memory); a node holds min(N, 8) ranks. DeepSpeed: "
+              "estimate_zero{2,3}_model_states_mem_needs with cpu_offload=True (stage 3: cpu_offload_params=True, "
+              "zero_init=True), CPU bytes divided by its additional_buffer_factor 1.5.")
     return 0
 
 
