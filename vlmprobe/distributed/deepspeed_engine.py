@@ -9,7 +9,7 @@ LM's hidden size).
 
 On fake tensors (the estimate) three things that a real step does not meet are answered where they are met,
 and nothing else of DeepSpeed is touched. On real tensors, on the fake group or in a real job, all it runs
-is DeepSpeed's own code. Checked against real gloo ranks (tests/test_deepspeed.py): the point's peak to the
+is DeepSpeed's own code (but for 4., where the device is the CPU). Checked against real gloo ranks (tests/test_deepspeed.py): the point's peak to the
 byte; per rank and phase within 16 KiB (real ranks themselves vary that much from run to run):
 1. `module.to(device)` in engine.py:DeepSpeedEngine._configure_distributed_model: torch swaps every fake
    parameter on `.to()`, and the swap fails. The model is on its device already, so the call is skipped.
@@ -19,6 +19,9 @@ byte; per rank and phase within 16 KiB (real ranks themselves vary that much fro
 3. stage 3 checks that every rank traced the same modules (runtime/zero/utils.py:get_lst_from_rank0 and
    assert_lst_len_same_as_other_ranks broadcast rank 0's list). A fake group moves no data; every simulated
    rank traces the same modules, so while the group is fake the local list answers.
+4. engine.py:_do_sanity_check refuses fp16 where `get_accelerator().is_fp16_supported()` is false: the
+   CPU accelerator asks oneDNN whether this CPU has fp16 kernels; the figures are for a CUDA card, which has
+   them (V100s train in fp16), so while the engine is made on the CPU it answers True.
 Offload to the CPU runs on every backend; on cpu and estimate, where the device is the CPU too, the buffers
 DeepSpeed makes on the host are counted apart (vlmprobe.distributed.host_memory: peak_host_bytes, outside
 every device figure). DeepSpeed's optimizer is then AdamW with `torch_adam` (no compiled CPUAdam op).
@@ -130,6 +133,9 @@ class DeepSpeedEngine(Engine):
         self.fake = any(isinstance(p, FakeTensor) for p in params)
         if self.fake:
             model.to = lambda *args, **kwargs: model  # change 1 of the module doc
+        accelerator = deepspeed.get_accelerator()
+        if self.device.type == "cpu":
+            accelerator.is_fp16_supported = lambda: True  # change 4 of the module doc
         try:
             self.model, self.optimizer, _, _ = deepspeed.initialize(
                 model=model, optimizer=client, model_parameters=params if client is None else None, config=config,
@@ -137,6 +143,7 @@ class DeepSpeedEngine(Engine):
         finally:
             if self.fake:
                 del model.to
+            accelerator.__dict__.pop("is_fp16_supported", None)
         self.accum, self.micro = config.get("gradient_accumulation_steps", 1), 0
 
     host_tracker = None  # the tracker that tells host buffers apart, while host_memory() is on
