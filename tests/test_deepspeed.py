@@ -100,6 +100,7 @@ def test_an_auto_nobody_can_fill_is_named():
         fill_auto({"zero_optimization": {"sub_group_size": "auto"}}, {})
 
 
+@pytest.mark.slow  # two DeepSpeed simulations, ~40 s
 def test_zero3_optimizer_offload_moves_the_hand_counted_bytes_to_the_host(point, compose):
     # fp32 weights, so stage 3's master weights are its partitions (stage3.py:_create_fp32_partitions keeps no
     # second copy) unless the optimizer is offloaded
