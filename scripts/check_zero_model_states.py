@@ -42,8 +42,8 @@ torch's CachingHostAllocator does), and what of ours it leaves (`ours - hand`):
          on the host. Ours is above the 16 B by the bf16 buffers and the power-of-two rounding of pinned blocks.
   host, zero3: pinned bf16 flat partition, pinned fp32 gradient partitions' flat buffer, pinned fp32 gradient
          buffer of the sub group, the fp32 master (not pinned), the moments; 18P per node by the formula (2 B
-         bf16 weights + 16 B). Ours holds 0.368 B per partition element more than this hand count (0.038 GiB
-         for nanoVLM-222M at N=2), not yet explained.
+         bf16 weights + 16 B). This hand count is not right yet: ours differs from it by -0.33 to +1.59 GiB
+         per rank (-4% to +7%; results/check_zero_model_states/offload_table.md), not yet explained.
 
     python scripts/check_zero_model_states.py [--models nanovlm_222m,qwen2_vl_2b] [--worlds 1,2,4,8,16]
                                                [--stages 2,3] [--offload]
