@@ -3,7 +3,8 @@
 
 Runs (1) one qwen2_vl_7b point (bf16 weights, batch 1, lm_max_length 2048, 448 px), (2) the whole seq_len
 sweep and (3) the 100-point grid100 sweep, each under launcher=local and under launcher=pool (all usable
-cores), (4) one qwen2_vl_7b FSDP2 point at world size 8 (all ranks alike, so one rank is simulated), and
+cores), (4) one qwen2_vl_7b FSDP2 point and one ZeRO-3 point at world size 8 (all ranks alike, so one rank is
+simulated), and
 (5) one qwen2_5_vl_7b GRPO step, each as `python -m vlmprobe ... measure.backend=estimate` in a subprocess,
 and prints a table: step time (the row's step_time_s), wall time
 and the subprocess's peak RSS (under pool: the sweep process's own, not its workers'), then the ratio of
@@ -30,13 +31,18 @@ CASES = [
     ("seq_len sweep (8 points)", ["+sweep=seq_len"], {"wall_s": 60.0}),
     # the same points, several at once (the issue's target for the sweep: 12 s on a 2-core machine)
     ("seq_len sweep (8 points), launcher=pool", ["+sweep=seq_len", "launcher=pool"], {"wall_s": 12.0}),
-    # the sharding issue's target for a distributed point (stated for zero3; fsdp2 is the engine here)
     # the launcher issue's targets: a usual 100-point question in at most 2.5 minutes, under either launcher
     ("grid100 (100 points)", ["+sweep=grid100"], {"wall_s": 150.0}),
     ("grid100 (100 points), launcher=pool", ["+sweep=grid100", "launcher=pool"], {"wall_s": 150.0}),
     ("qwen2_vl_7b fsdp2 world 8 (one rank simulated)",
      ["model=qwen2_vl_7b", "dist=fsdp2_bf16", "dist.world_size=8", "data.batch_size=1", "data.lm_max_length=2048",
       "data.image_size=448"], {"wall_s": 30.0, "rss_gib": 2.0}),
+    # the sharding issue's own case: the real DeepSpeed engine, ZeRO-3, bf16 weights as its bf16 mode runs them
+    # (every rank alike: one rank simulated, in a fresh process)
+    ("qwen2_vl_7b zero3 world 8 (one rank simulated)",
+     ["model=qwen2_vl_7b", "dist=zero3", "dist.world_size=8", "train.param_dtype=bfloat16",
+      "train.autocast_dtype=null", "data.batch_size=1", "data.lm_max_length=2048", "data.image_size=448"],
+     {"wall_s": 30.0, "rss_gib": 2.0}),
     # the GRPO issue's target: a Qwen2.5-VL-7B GRPO point, 4 generations of 512 tokens (one prompt, 4 rows, bf16
     # weights as VLM-R1 loads them), one optimizer step (rollout, reference, policy, optimizer)
     ("qwen2_5_vl_7b grpo G4 C512 rows 4, 1 step",

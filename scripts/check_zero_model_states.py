@@ -24,8 +24,29 @@ zero_optimization.reduce_bucket_size in elements):
          copy (4P/N, 2P/N more than ours holds for gradients) is a transient of step(), and its 4L the
          largest layer gathered during forward and backward: both are in `peak`.
 
+With --offload (stage 2: the optimizer on the CPU; stage 3: the optimizer and the parameters), the device and
+the host are compared apart: ours are rank 0's after_step_bytes (device) and after_step_host_bytes (host,
+told apart by vlmprobe.distributed.host_memory), against estimate_zero{2,3}_model_states_mem_needs with
+cpu_offload=True (stage 3: cpu_offload_params=True, zero_init=True), whose CPU figure is per node and carries
+a margin (additional_buffer_factor 1.5, taken out here). Beside them, a hand count of the buffers DeepSpeed
+0.19.8 keeps between steps (HAND_DEVICE, HAND_HOST below; pinned host blocks rounded up to a power of two as
+torch's CachingHostAllocator does), and what of ours it leaves (`ours - hand`):
+  device, zero2: 2P (the bf16 weights, whole) + the largest parameter in bf16 (temp_grad_buffer_for_gpu_offload):
+         the formula's 2P without that buffer. zero3: the reduce bucket (2R bytes) + the persistent parameters
+         (below stage3_param_persistence_threshold, kept gathered): the formula's 4L (the largest layer's bf16
+         weights and gradients, gathered in forward/backward) is a transient, in `device peak`.
+  host, zero2: pinned fp32 master partition, its bf16 copy buffer, the largest parameter's gradient buffer, the
+         fp32 gradient partition; AdamW's moments (8p): equal to ours to the byte. The formula: 16P per node
+         (fp32 master, fp32 gradients, moments: 16 B per parameter over the node's ranks), or 4P per GPU when
+         that is more: a whole fp32 model loaded by every rank of the node, which the estimate does not build
+         on the host. Ours is above the 16 B by the bf16 buffers and the power-of-two rounding of pinned blocks.
+  host, zero3: pinned bf16 flat partition, pinned fp32 gradient partitions' flat buffer, pinned fp32 gradient
+         buffer of the sub group, the fp32 master (not pinned), the moments; 18P per node by the formula (2 B
+         bf16 weights + 16 B). This hand count is not right yet: ours differs from it by -0.33 to +1.59 GiB
+         per rank (-4% to +7%; results/check_zero_model_states/offload_table.md), not yet explained.
+
     python scripts/check_zero_model_states.py [--models nanovlm_222m,qwen2_vl_2b] [--worlds 1,2,4,8,16]
-                                               [--stages 2,3]
+                                               [--stages 2,3] [--offload]
 Needs DeepSpeed (pip install -e ".[deepspeed]"). Figures in GiB = 1024^3 bytes.
 """
 
@@ -33,6 +54,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import math
 import sys
 import time
 
@@ -56,44 +78,89 @@ def planned_config(overrides: list[str]) -> dict:
     return point.config
 
 
-def sizes(config: dict) -> tuple[int, int]:
-    """(P, L) as deepspeed.runtime.zero.stage3.model_to_params counts them, on the meta device."""
+def sizes(config: dict) -> tuple[int, int, list[int]]:
+    """(P, L) as deepspeed.runtime.zero.stage3.model_to_params counts them, on the meta device, and every
+    parameter's size."""
     model = build_spec(config["model"]).build(torch.device("meta"), torch.bfloat16, init=False)
     largest = max(sum(p.numel() for p in m.parameters(recurse=False)) for m in model.modules())
-    return count_params(model)[0], largest
+    return count_params(model)[0], largest, [p.numel() for p in model.parameters()]
+
+
+def partition(stage: int, numels: list[int], world: int) -> int:
+    """Elements of rank 0's partition: stage 3 cuts every parameter into N equal padded pieces; stages 1-2 cut
+    the flat buffer, padded to a multiple of 2N (stage_1_and_2.py: nccl_start_alignment_factor 2 x N)."""
+    if stage == 3:
+        return sum(math.ceil(n / world) for n in numels)
+    return 2 * math.ceil(sum(numels) / (2 * world))
+
+
+def pinned(nbytes: int) -> int:
+    """A pinned host block: torch's CachingHostAllocator rounds it up to a power of two."""
+    return 1 << (nbytes - 1).bit_length()
+
+
+def block(nbytes: int) -> int:
+    return -(-nbytes // 512) * 512
+
+
+# Hand counts of what a rank keeps between steps under offload (bf16 weights, fp32 master), each buffer named
+# after the DeepSpeed 0.19.8 code that makes it; p: rank 0's partition (elements), Lp: the largest parameter,
+# R: reduce_bucket_size, S: the parameters stage 3 keeps gathered (below stage3_param_persistence_threshold)
+HAND_DEVICE = {
+    2: lambda r: block(2 * r.N * r.p) + block(2 * r.Lp),  # bf16 flat weights (whole); temp_grad_buffer_for_gpu_offload
+    3: lambda r: block(2 * r.R) + r.S}  # the ipg reduce bucket (bf16); the persistent parameters, gathered
+HAND_HOST = {
+    # pinned: the fp32 master partition, its bf16 copy buffer (param_buffer_of_bit16_for_cpu_offload_groups),
+    # temp_grad_buffer_for_cpu_offload (the largest parameter, bf16), the fp32 gradient partition; AdamW's moments
+    2: lambda r: pinned(4 * r.p) + pinned(2 * r.p) + pinned(2 * r.Lp) + pinned(4 * r.p) + 8 * r.p,
+    # pinned: the bf16 partitions' flat buffer (_create_param_groups_fp16_flat_cpu_memory), the gradient
+    # partitions' flat buffer (grad_partitions_flat_buffer, fp32), the fp32 gradient buffer of the sub group;
+    # the fp32 master partition (not pinned); AdamW's moments
+    3: lambda r: pinned(2 * r.p) + pinned(4 * r.p) + pinned(4 * r.p) + 4 * r.p + 8 * r.p}
 
 
 # formula - ours, term by term (see the module doc); P parameters, L the largest module's, N ranks, R the
 # reduce bucket in elements
+RANKS_PER_NODE = 8  # dist.ranks_per_node's default: DeepSpeed's CPU figure is per node
+BUFFER_FACTOR = 1.5  # additional_buffer_factor, the margin DeepSpeed's formulas multiply their CPU bytes by
 EXPLAINED = {2: lambda P, L, N, R: 6 * P / N, 3: lambda P, L, N, R: 4 * L + 2 * P / N - 2 * R}
 
 
-def deepspeed_formula(stage: int, params: int, largest: int, world: int) -> int:
+def deepspeed_formula(stage: int, params: int, largest: int, world: int, offload: bool = False) -> tuple[int, int]:
+    """(CPU bytes per node, GPU bytes per GPU) of DeepSpeed's formula for one node of `world` GPUs; offload:
+    the optimizer (stage 2) or the optimizer and the parameters (stage 3) on the CPU, built under zero.Init
+    for stage 3 (zero_init: the steady state, not the load of one whole model per rank)."""
     # DeepSpeed logs to stdout (its accelerator choice, on import): keep the printed table clean
     with contextlib.redirect_stdout(sys.stderr):
         from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
         from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
 
     if stage == 2:
-        return estimate_zero2_model_states_mem_needs(params, world, cpu_offload=False)[1]
-    return estimate_zero3_model_states_mem_needs(params, largest, world, cpu_offload=False)[1]
+        return estimate_zero2_model_states_mem_needs(params, world, cpu_offload=offload)
+    return estimate_zero3_model_states_mem_needs(params, largest, world, cpu_offload=offload,
+                                                 cpu_offload_params=offload, zero_init=True)[:2]
 
 
-RAW = ["model", "stage", "N", "P", "L", "R", "after_load_bytes", "after_step_bytes", "params_bytes", "grads_bytes",
-       "optimizer_state_bytes", "peak_allocated_bytes", "simulation_s"]
+RAW = ["model", "stage", "N", "offload", "P", "L", "R", "p", "Lp", "S", "after_load_bytes", "after_step_bytes", "params_bytes",
+       "grads_bytes", "optimizer_state_bytes", "peak_allocated_bytes", "after_step_host_bytes", "peak_host_bytes",
+       "simulation_s"]
+OFFLOAD = {2: ["dist.offload_optimizer=cpu"], 3: ["dist.offload_optimizer=cpu", "dist.offload_param=cpu"]}
 
 
-def simulate(models: list[str], stages: list[int], worlds: list[int]) -> pd.DataFrame:
-    """Rank 0's figures of each (model, stage, world size): one fresh-process simulation each."""
+def simulate(models: list[str], stages: list[int], worlds: list[int], offload: bool = False,
+             save: str | None = None) -> pd.DataFrame:
+    """Rank 0's figures of each (model, stage, world size): one fresh-process simulation each, written to
+    `save` (CSV) as each one ends."""
     raw = []
     for model in models:
-        params = largest = None
+        params = largest = numels = None
         for stage in stages:
             for world in worlds:
                 config = planned_config([f"model={model}", *SETUP, *SHORT.get(model, []), f"dist=zero{stage}",
-                                         f"dist.world_size={world}", "measure.backend=estimate"])
+                                         f"dist.world_size={world}", "measure.backend=estimate",
+                                         *(OFFLOAD[stage] if offload else [])])
                 if params is None:
-                    params, largest = sizes(config)
+                    params, largest, numels = sizes(config)
                 started = time.perf_counter()
                 row = simulate_elsewhere(config, 0)
                 took = round(time.perf_counter() - started, 1)
@@ -102,7 +169,13 @@ def simulate(models: list[str], stages: list[int], worlds: list[int]) -> pd.Data
                     print(f"  {row.get('error', '')[:300]}", file=sys.stderr)
                     continue
                 raw.append({**{k: row[k] for k in RAW if k in row}, "model": model, "stage": stage, "N": world,
-                            "P": params, "L": largest, "R": config["dist"]["reduce_bucket_size"], "simulation_s": took})
+                            "offload": offload,
+                            "P": params, "L": largest, "R": config["dist"]["reduce_bucket_size"], "simulation_s": took,
+                            "p": partition(stage, numels, world), "Lp": max(numels),
+                            "S": sum(block(2 * n) for n in numels
+                                     if n < config["dist"].get("stage3_param_persistence_threshold", 0))})
+                if save:
+                    pd.DataFrame(raw, columns=RAW).to_csv(save, index=False)
     return pd.DataFrame(raw, columns=RAW)
 
 
@@ -110,7 +183,7 @@ def compare(raw: pd.DataFrame) -> pd.DataFrame:
     rows = []
     for r in raw.itertuples():
         ours = r.after_step_bytes
-        theirs = deepspeed_formula(r.stage, r.P, r.L, r.N)
+        theirs = deepspeed_formula(r.stage, r.P, r.L, r.N)[1]
         explained = EXPLAINED[r.stage](r.P, r.L, r.N, r.R)
         rows.append({"model": r.model, "stage": r.stage, "N": r.N,
                      "bf16 params": r.params_bytes / GiB, "grads before step": r.grads_bytes / GiB,
@@ -121,11 +194,33 @@ def compare(raw: pd.DataFrame) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
+def compare_offload(raw: pd.DataFrame) -> pd.DataFrame:
+    """Device and host, offloaded: ours per rank (host also per node: ranks_per_node ranks alike) beside
+    DeepSpeed's GPU bytes per GPU and CPU bytes per node (its additional_buffer_factor 1.5 taken out)."""
+    rows = []
+    for r in raw.itertuples():
+        cpu, gpu = deepspeed_formula(r.stage, r.P, r.L, r.N, offload=True)
+        node = min(r.N, RANKS_PER_NODE)
+        rows.append({"model": r.model, "stage": r.stage, "N": r.N,
+                     "device after step (ours)": r.after_step_bytes / GiB, "DeepSpeed GPU": gpu / GiB,
+                     "device peak (ours)": r.peak_allocated_bytes / GiB,
+                     "device: ours - hand": (r.after_step_bytes - HAND_DEVICE[r.stage](r)) / GiB,
+                     "host after step, rank (ours)": r.after_step_host_bytes / GiB,
+                     "host: ours - hand": (r.after_step_host_bytes - HAND_HOST[r.stage](r)) / GiB,
+                     "host after step, node (ours)": node * r.after_step_host_bytes / GiB,
+                     "DeepSpeed CPU, node": cpu / BUFFER_FACTOR / GiB,
+                     "ours / DeepSpeed, host": node * r.after_step_host_bytes / (cpu / BUFFER_FACTOR),
+                     "host peak, node (ours)": node * r.peak_host_bytes / GiB})
+    return pd.DataFrame(rows)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", default="nanovlm_222m,qwen2_vl_2b")
     parser.add_argument("--worlds", default="1,2,4,8,16")
     parser.add_argument("--stages", default="2,3")
+    parser.add_argument("--offload", action="store_true",
+                        help="offload to the CPU: the optimizer (stage 2), the optimizer and the parameters (stage 3)")
     parser.add_argument("--save", help="write the simulations' raw figures (bytes) to this CSV")
     parser.add_argument("--rows", help="print the table from a CSV written by --save instead of simulating")
     args = parser.parse_args()
@@ -133,13 +228,19 @@ def main() -> int:
         raw = pd.read_csv(args.rows)
     else:
         raw = simulate(args.models.split(","), list(map(int, args.stages.split(","))),
-                       list(map(int, args.worlds.split(","))))
-        if args.save:
-            raw.to_csv(args.save, index=False)
-    print(compare(raw).to_markdown(index=False, floatfmt=".3f"))
-    print("\nGiB = 1024^3 bytes. Ours: backend estimate, rank 0 (DeepSpeed ZeRO on a fake process group), "
-          "allocated after the last optimizer step. DeepSpeed formula: deepspeed.runtime.zero "
-          "estimate_zero{2,3}_model_states_mem_needs, cpu_offload=False.")
+                       list(map(int, args.worlds.split(","))), args.offload, args.save)
+    offloaded = raw["offload"].astype(bool) if "offload" in raw else pd.Series(False, index=raw.index)
+    if (~offloaded).any():
+        print(compare(raw[~offloaded]).to_markdown(index=False, floatfmt=".3f"))
+        print("\nGiB = 1024^3 bytes. Ours: backend estimate, rank 0 (DeepSpeed ZeRO on a fake process group), "
+              "allocated after the last optimizer step. DeepSpeed formula: deepspeed.runtime.zero "
+              "estimate_zero{2,3}_model_states_mem_needs, cpu_offload=False.")
+    if offloaded.any():
+        print(compare_offload(raw[offloaded]).to_markdown(index=False, floatfmt=".3f"))
+        print("\nGiB = 1024^3 bytes. Ours: backend estimate, rank 0, host buffers told apart "
+              "(vlmprobe.distributed.host_memory); a node holds min(N, 8) ranks. DeepSpeed: "
+              "estimate_zero{2,3}_model_states_mem_needs with cpu_offload=True (stage 3: cpu_offload_params=True, "
+              "zero_init=True), CPU bytes divided by its additional_buffer_factor 1.5.")
     return 0
 
 

@@ -18,7 +18,7 @@ STAGE3 = ["dist.stage3_prefetch_bucket_size=20000", "dist.stage3_param_persisten
 # Real gloo ranks of one configuration differ from run to run by up to 8 KiB in a phase or two (after load,
 # the step), cause not found. The point's peak is equal to the byte.
 TOLERANCE = 16 * 1024
-BYTES = ("peak_allocated_bytes", "last_step_peak_allocated_bytes", "forward_peak_bytes", "backward_peak_bytes",
+BYTES = ("peak_host_bytes", "after_step_host_bytes", "peak_allocated_bytes", "last_step_peak_allocated_bytes", "forward_peak_bytes", "backward_peak_bytes",
          "optimizer_peak_bytes", "after_load_bytes", "after_step_bytes", "activations_bytes", "params_bytes", "grads_bytes",
          "optimizer_state_bytes")
 
@@ -36,19 +36,28 @@ def by_rank(outputs):
     return {r["rank"]: {k: r.get(k) for k in BYTES} for r in outputs["ranks"]}
 
 
-@pytest.mark.parametrize("stage", [
-    "zero3", pytest.param("zero1", marks=pytest.mark.slow), pytest.param("zero2", marks=pytest.mark.slow)])
-def test_zero_estimate_equals_real_gloo_ranks_to_the_byte(point, stage):
+OFFLOAD = ["dist.offload_optimizer=cpu", "dist.offload_param=cpu"]
+
+
+@pytest.mark.parametrize("stage, offload", [
+    pytest.param("zero3", [], id="zero3"), pytest.param("zero3", OFFLOAD, marks=pytest.mark.slow, id="zero3-offload"),
+    pytest.param("zero1", [], marks=pytest.mark.slow, id="zero1"), pytest.param("zero2", [], marks=pytest.mark.slow, id="zero2")])
+# zero2 with offload_optimizer is left out: the estimate matched real gloo ranks to the byte in one run of three;
+# in the other two real rank 1's optimizer-phase peak was 77,312 B higher (cause not found)
+def test_zero_estimate_equals_real_gloo_ranks_to_the_byte(point, stage, offload):
     pytest.importorskip("deepspeed")
-    overrides = [*TINY, f"dist={stage}", *SMALL, *(STAGE3 if stage == "zero3" else [])]
+    overrides = [*TINY, f"dist={stage}", *SMALL, *(STAGE3 if stage == "zero3" else []), *offload]
     estimate = run_dist(point, overrides + ["measure.backend=estimate"])
     cpu = run_dist(point, overrides + ["measure.backend=cpu"])
     assert estimate["status"] == cpu["status"] == "ok", (estimate.get("error"), cpu.get("error"))
     assert estimate["peak_allocated_bytes"] == cpu["peak_allocated_bytes"]
     simulated, real = by_rank(estimate), by_rank(cpu)
     for rank, columns in real.items():
-        assert all(abs(simulated[rank][k] - v) <= TOLERANCE for k, v in columns.items()), (rank, simulated[rank], columns)
-    assert estimate["optimizer_state_bytes"] > 0  # the update ran (an overflow read as set would skip it)
+        apart = {k: (simulated[rank][k], v) for k, v in columns.items()
+                 if not (simulated[rank][k] is v is None or abs(simulated[rank][k] - v) <= TOLERANCE)}
+        assert not apart, (rank, apart)  # column: (estimate, real)
+    if not offload:  # (offloaded, the state is host memory)
+        assert estimate["optimizer_state_bytes"] > 0  # the update ran (an overflow read as set would skip it)
 
 
 def test_zero3_partitions_the_model_states_over_the_ranks(point, compose):
@@ -91,3 +100,29 @@ def test_a_users_deepspeed_json_gets_hf_trainers_auto_values_from_the_point(poin
 def test_an_auto_nobody_can_fill_is_named():
     with pytest.raises(ValueError, match="zero_optimization.sub_group_size"):
         fill_auto({"zero_optimization": {"sub_group_size": "auto"}}, {})
+
+
+@pytest.mark.slow  # two DeepSpeed simulations, ~40 s
+def test_zero3_optimizer_offload_moves_the_hand_counted_bytes_to_the_host(point, compose):
+    # fp32 weights, so stage 3's master weights are its partitions (stage3.py:_create_fp32_partitions keeps no
+    # second copy) unless the optimizer is offloaded
+    pytest.importorskip("deepspeed")
+    import torch
+    from hydra.utils import instantiate
+
+    world = 2
+    spec = instantiate(compose(["model=nanovlm_tiny"]).model, _convert_="all")
+    part = 4 * sum(math.ceil(p.numel() / world) for p in spec.build("meta", torch.float32, init=False).parameters())
+    block = lambda n: -(-n // 512) * 512  # noqa: E731  the caching allocator's 512-byte rounding
+    pinned = lambda n: 1 << (n - 1).bit_length()  # noqa: E731  torch's pinned host blocks: a power of two
+    base = [*TINY, "dist=zero3", *SMALL, *STAGE3, "measure.backend=estimate"]
+    kept = run_dist(point, base)["ranks"][0]
+    offloaded = run_dist(point, base + ["dist.offload_optimizer=cpu"])["ranks"][0]
+    assert kept["status"] == offloaded["status"] == "ok", offloaded.get("error")
+    # off the device: the gradient partitions' flat buffer, the fp32 gradient buffer, AdamW's two moments (one
+    # fp32 partition each) and the 1-byte inf/nan flag
+    assert kept["after_step_bytes"] - offloaded["after_step_bytes"] == 4 * block(part) + block(1)
+    # on the host: the fp32 master partition, the two gradient buffers pinned, the moments, the flag
+    assert offloaded["after_step_host_bytes"] == part + 2 * pinned(part) + 2 * part + 1
+    assert kept["after_step_host_bytes"] is None  # no offload: host memory is not told apart
+    assert offloaded["optimizer_state_bytes"] == 0 and offloaded["params_bytes"] == kept["params_bytes"]

@@ -153,11 +153,20 @@ def test_zero_points_are_skipped_saying_how_to_get_deepspeed_where_it_is_missing
     assert planned.skip == 'dist=zero3 needs DeepSpeed, not installed here: pip install -e ".[deepspeed]"'
 
 
-def test_offload_is_skipped_where_host_and_device_memory_are_one(plan_points, monkeypatch):
-    without_deepspeed(monkeypatch)  # the reason is the same with or without DeepSpeed
-    (planned,) = plan_points(["model=nanovlm_tiny", *TINY, "dist=zero3", "dist.offload_optimizer=cpu",
+def test_fsdp2_offload_is_skipped_where_host_and_device_memory_are_one(plan_points):
+    (planned,) = plan_points(["model=nanovlm_tiny", *TINY, "dist=fsdp2", "dist.offload_param=cpu",
                               "measure.backend=estimate"])
-    assert planned.skip.startswith("dist.offload_optimizer=cpu needs backend cuda")
+    assert planned.skip.startswith("dist.offload_param=cpu needs backend cuda under fsdp2")
+
+
+def test_deepspeed_offload_runs_off_cuda(plan_points, monkeypatch):
+    # DeepSpeed's host buffers are told apart (vlmprobe.distributed.host_memory): only a missing DeepSpeed skips
+    find_spec = options.importlib.util.find_spec  # DeepSpeed found (CI has none), every other module as before
+    monkeypatch.setattr(options.importlib.util, "find_spec",
+                        lambda name, *args: object() if name == "deepspeed" else find_spec(name, *args))
+    (planned,) = plan_points(["model=nanovlm_tiny", *TINY, "dist=zero3", "dist.offload_optimizer=cpu",
+                              "dist.offload_param=cpu", "measure.backend=estimate"])
+    assert planned.skip is None
 
 
 def test_world_size_and_the_dist_group_are_sweep_axes(plan_points):

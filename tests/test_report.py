@@ -78,3 +78,15 @@ def test_a_report_that_fails_costs_only_itself(tmp_path, monkeypatch):
     (failure,) = failures
     assert failure.startswith("plot.png could not be written (RuntimeError: no plot today); traceback in ")
     assert "Traceback" in (tmp_path / "vlmprobe-error.log").read_text()
+
+
+def test_host_memory_of_offloaded_points_is_shown_per_rank_in_gib():
+    import pandas as pd
+
+    from vlmprobe.report import host_memory
+
+    table = pd.DataFrame({"point_id": ["offloaded", "kept"], "peak_allocated_bytes": [3 * 2**30, 5 * 2**30],
+                          "peak_host_bytes": [int(1.5 * 2**30), None], "after_step_host_bytes": [2**30, None]})
+    text = "\n".join(host_memory(table))
+    assert "| offloaded  | 3.00              | 1.50            | 1.00" in text and "kept" not in text
+    assert host_memory(table.drop(index=0)) == []  # no offload: no section

@@ -54,3 +54,21 @@ def test_segment_bytes_in_message_reads_cuda_out_of_memory_messages():
     message = "CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of 23.69 GiB"
     assert segment_bytes_in_message(message) == 2 * 2**30
     assert segment_bytes_in_message("something else") is None
+
+
+def test_host_storages_are_counted_apart_from_the_device_and_ops_over_them_stay_on_the_host():
+    from vlmprobe.distributed.host_memory import placed  # what the offload code paths set (no DeepSpeed needed)
+
+    with LiveBytesTracker() as t:
+        device = torch.empty(1000)  # 4000 B -> 4096 on the device
+        t.track_host()
+        with placed("host"):
+            host = torch.empty(1000)  # 4000 B on the host: plain bytes, no block rounding
+        assert (t.current, t.host_current) == (4096, 4000) and t.on_host(host) and not t.on_host(device)
+        moment = torch.zeros_like(host) * 2  # AdamW's update over an offloaded partition: host, with its temporary
+        assert (t.current, t.host_current, t.host_peak) == (4096, 8000, 12000) and t.on_host(moment)
+        mixed = host + device  # a device op (CUDA would refuse mixed operands; the device is the default)
+        assert (t.current, t.host_current) == (8192, 8000) and not t.on_host(mixed)
+        del host, moment
+        assert (t.current, t.host_current, t.host_peak) == (8192, 0, 12000)
+    assert not LiveBytesTracker().host_tracked  # off unless a point offloads

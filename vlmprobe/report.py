@@ -110,6 +110,7 @@ def summary_markdown(table: pd.DataFrame, axes: list[str], env: dict, beside: st
         lines += [shown.to_markdown(index=False), ""]
         lines += on_the_card(table)
         lines += rank_spread(table)
+        lines += host_memory(table)
         failed = table[~table["status"].isin(["ok", "oom"])]
         if len(failed):
             lines += ["## Points that failed", ""]
@@ -160,6 +161,21 @@ def rank_spread(table: pd.DataFrame) -> list[str]:
         "max / min": uneven["rank_imbalance"]})
     return ["## Per-rank spread (points whose ranks differ; every rank in ranks.csv)", "",
             shown.to_markdown(index=False), ""]
+
+
+def host_memory(table: pd.DataFrame) -> list[str]:
+    """The points that offload to the CPU on estimate/cpu: the host memory of one rank, outside every device
+    figure (a node holds dist.ranks_per_node such ranks)."""
+    if "peak_host_bytes" not in table or not table["peak_host_bytes"].notna().any():
+        return []
+    rows = table[table["peak_host_bytes"].notna()]
+    shown = pd.DataFrame({"point_id": rows["point_id"], "peak device GiB": rows["peak_allocated_bytes"].map(gib),
+                          "peak host GiB": rows["peak_host_bytes"].map(gib),
+                          "host after a step GiB": rows["after_step_host_bytes"].map(gib)})
+    return ["## Host memory per rank (offload to the CPU)", "",
+            "What one rank keeps in host memory (offloaded partitions, optimizer state, pinned buffers): outside "
+            "every device column; a node holds dist.ranks_per_node such ranks.", "",
+            shown.to_markdown(index=False, disable_numparse=True), ""]
 
 
 def last_line(error) -> str:

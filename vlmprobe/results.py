@@ -33,6 +33,9 @@ OUTPUT_COLUMNS = [
     "predicted_device_bytes",
     "after_load_bytes",
     "after_step_bytes",  # allocated after the last optimizer step: what a training loop carries between steps
+    # offload to the CPU on estimate/cpu: host memory this rank holds (offloaded partitions, optimizer state, host
+    # grads), outside every device figure; its peak over the point (load included), and after the last step
+    "peak_host_bytes", "after_step_host_bytes",
     "generate_peak_bytes", "reference_peak_bytes",  # step=grpo: the rollout and the reference scoring (empty: absent)
     "forward_peak_bytes", "backward_peak_bytes", "optimizer_peak_bytes", "peak_phase",
     "params_bytes", "grads_bytes", "optimizer_state_bytes", "optimizer_state_dtype", "activations_bytes",

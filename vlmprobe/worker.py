@@ -6,6 +6,7 @@ stdin and prints its result as the last stdout line, `ROW_PREFIX{json}`. An out-
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
 from pathlib import Path
@@ -69,7 +70,8 @@ def measure(point: dict) -> dict:
     capacity = device_profile.capacity(point["measure"].get("device_memory"), device)
     settings = alloc_conf.parse(point["measure"].get("alloc_conf"))
     allowed = alloc_conf.allowed_maximum(settings, capacity, imposed=point["measure"].get("device_memory") is not None)
-    with backend.session(capacity, point["measure"]["record_history"], device, settings, allowed) as meter:
+    with backend.session(capacity, point["measure"]["record_history"], device, settings, allowed) as meter, \
+            contextlib.ExitStack() as host_memory:
         try:
             engine = engines.make(point, backend.device())  # single GPU, DDP or sharded
             model = spec.build(engine.build_device, DTYPES[train["param_dtype"]], init=not engine.build_device_is_meta)
@@ -79,6 +81,7 @@ def measure(point: dict) -> dict:
             grpo = point["step"]["name"] == "grpo"
             # the GRPO step makes its own prompt and prompt + completion batches as it goes
             batch = None if grpo else spec.batch(data, backend.device())
+            host_memory.enter_context(engine.host_memory())  # offload off cuda: host buffers counted apart
             engine.prepare(spec, model, instantiate(point["optimizer"], _convert_="all"))
             reference = grpo_reference(spec, point, engine) if grpo else None
             meter.sync()

@@ -9,7 +9,7 @@ LM's hidden size).
 
 On fake tensors (the estimate) three things that a real step does not meet are answered where they are met,
 and nothing else of DeepSpeed is touched. On real tensors, on the fake group or in a real job, all it runs
-is DeepSpeed's own code. Checked against real gloo ranks (tests/test_deepspeed.py): the point's peak to the
+is DeepSpeed's own code (but for 4., where the device is the CPU). Checked against real gloo ranks (tests/test_deepspeed.py): the point's peak to the
 byte; per rank and phase within 16 KiB (real ranks themselves vary that much from run to run):
 1. `module.to(device)` in engine.py:DeepSpeedEngine._configure_distributed_model: torch swaps every fake
    parameter on `.to()`, and the swap fails. The model is on its device already, so the call is skipped.
@@ -19,8 +19,12 @@ byte; per rank and phase within 16 KiB (real ranks themselves vary that much fro
 3. stage 3 checks that every rank traced the same modules (runtime/zero/utils.py:get_lst_from_rank0 and
    assert_lst_len_same_as_other_ranks broadcast rank 0's list). A fake group moves no data; every simulated
    rank traces the same modules, so while the group is fake the local list answers.
-Offload to the CPU is run on every backend, but only cuda tells host from device memory
-(options.skip_reason); DeepSpeed's optimizer is then AdamW with `torch_adam` (no compiled CPUAdam op).
+4. engine.py:_do_sanity_check refuses fp16 where `get_accelerator().is_fp16_supported()` is false: the
+   CPU accelerator asks oneDNN whether this CPU has fp16 kernels; the figures are for a CUDA card, which has
+   them (V100s train in fp16), so while the engine is made on the CPU it answers True.
+Offload to the CPU runs on every backend; on cpu and estimate, where the device is the CPU too, the buffers
+DeepSpeed makes on the host are counted apart (vlmprobe.distributed.host_memory: peak_host_bytes, outside
+every device figure). DeepSpeed's optimizer is then AdamW with `torch_adam` (no compiled CPUAdam op).
 """
 
 from __future__ import annotations
@@ -86,14 +90,18 @@ def deepspeed_config(point: dict, hidden_size: int) -> dict:
                   "zero_optimization": zero}
         if precision:
             config[precision] = {"enabled": True}
-    zero = config.setdefault("zero_optimization", {})
-    if any(zero.get(k, {}).get("device", "none") != "none" for k in ("offload_optimizer", "offload_param")) \
-            and "optimizer" not in config:
+    if offloads(config) and "optimizer" not in config:
         # ZeRO-Offload refuses a client optimizer (engine.py:_configure_optimizer); torch's AdamW on the host
         # partitions allocates on the host what DeepSpeedCPUAdam would, and needs no compiled op
         config["optimizer"] = {"type": "AdamW", "params": {"lr": 1e-5, "torch_adam": True}}
     config.setdefault("steps_per_print", 2**31 - 1)  # DeepSpeed's progress lines are not ours to print
     return config
+
+
+def offloads(config: dict) -> bool:
+    """Whether a DeepSpeed config offloads the optimizer or the parameters (to the CPU or NVMe)."""
+    zero = config.get("zero_optimization") or {}
+    return any((zero.get(k) or {}).get("device", "none") not in ("none", None) for k in ("offload_optimizer", "offload_param"))
 
 
 def fake_group_active() -> bool:
@@ -132,11 +140,15 @@ class DeepSpeedEngine(Engine):
 
         if self.fake:
             model.to = lambda *args, **kwargs: model  # change 1 of the module doc
+        accelerator = deepspeed.get_accelerator()
+        if self.device.type == "cpu":
+            accelerator.is_fp16_supported = lambda: True  # change 4 of the module doc
         try:
             return deepspeed.initialize(model=model, config=config, dist_init_required=False, **kwargs)
         finally:
             if self.fake:
                 del model.to
+            accelerator.__dict__.pop("is_fp16_supported", None)
 
     @property
     def module(self):
@@ -175,6 +187,25 @@ class DeepSpeedEngine(Engine):
         engine, *_ = self.initialize(model, config)
         return engine.eval()
 
+    host_tracker = None  # the tracker that tells host buffers apart, while host_memory() is on
+
+    @contextlib.contextmanager
+    def host_memory(self):
+        config = deepspeed_config(self.point, hidden_size=1)  # the hidden size sets bucket sizes only
+        if self.device.type != "cpu" or not offloads(config):
+            yield
+            return
+        from vlmprobe.distributed.host_memory import host_placement
+
+        with host_placement() as self.host_tracker:
+            yield
+
+    def on_device(self, tensors) -> list[torch.Tensor]:
+        """The tensors that are device buffers (offloaded ones live on the host: not device memory)."""
+        if self.host_tracker is None:
+            return [t for t in tensors if t.device.type == self.device.type]
+        return [t for t in tensors if not self.host_tracker.on_host(t)]
+
     def zero_grad(self) -> None:
         self.model.zero_grad()
 
@@ -193,7 +224,7 @@ class DeepSpeedEngine(Engine):
 
     def params_bytes(self) -> int:
         # stage 3: this rank's partition (ds_tensor) and the persistent params; stages 1-2: the flat copy
-        return storage_bytes(getattr(p, "ds_tensor", p) for p in self.model.module.parameters())
+        return storage_bytes(self.on_device(getattr(p, "ds_tensor", p) for p in self.model.module.parameters()))
 
     def grads_bytes(self) -> int:
         optimizer = self.optimizer
@@ -201,13 +232,11 @@ class DeepSpeedEngine(Engine):
         averaged = getattr(optimizer, "averaged_gradients", None) or {}
         tensors = [b for b in buffers if isinstance(b, torch.Tensor)]
         tensors += [g for grads in averaged.values() for g in (grads or []) if isinstance(g, torch.Tensor)]
-        return storage_bytes(t for t in tensors if t.device.type == self.device.type)
+        return storage_bytes(self.on_device(tensors))
 
     def state_tensors(self) -> list[torch.Tensor]:
-        """The inner (torch) optimizer's state over this rank's fp32 partition; none on the device when the
-        optimizer is offloaded."""
-        if self.model.zero_cpu_offload():
-            return []
+        """The inner (torch) optimizer's state over this rank's fp32 partition that is on the device (none
+        when the optimizer is offloaded)."""
         inner = getattr(self.optimizer, "optimizer", self.optimizer)
-        return [t for state in inner.state.values() for t in state.values()
-                if isinstance(t, torch.Tensor) and t.dim() > 0]
+        return self.on_device(t for state in inner.state.values() for t in state.values()
+                              if isinstance(t, torch.Tensor) and t.dim() > 0)

@@ -73,6 +73,11 @@ class Engine:
     def wrap(self, spec, model: nn.Module) -> nn.Module:
         return model
 
+    def host_memory(self) -> contextlib.AbstractContextManager:
+        """Entered before prepare() until the point's figures are read: where this engine offloads to the CPU
+        and the device is the CPU too, what tells the host buffers apart (vlmprobe.distributed.host_memory)."""
+        return contextlib.nullcontext()
+
     def zero_grad(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)
 

@@ -73,8 +73,12 @@ class TrackedBackend(Backend):
         return device_profile.predicted_device_bytes(meter.reserved_peak(), device)
 
     def final_stats(self, meter) -> dict:
-        model = meter.tracker.allocator
-        return {"num_alloc_retries": model.num_alloc_retries, "num_ooms": model.num_ooms}
+        tracker = meter.tracker
+        model = tracker.allocator
+        host = tracker.host_tracked
+        return {"num_alloc_retries": model.num_alloc_retries, "num_ooms": model.num_ooms,
+                "peak_host_bytes": tracker.host_peak if host else None,
+                "after_step_host_bytes": tracker.host_current if host else None}
 
     def oom_columns(self, meter, message: str) -> dict:
         block, segment = meter.tracker.allocator.last_oom or (None, None)

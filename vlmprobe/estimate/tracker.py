@@ -7,6 +7,12 @@ CUDA caching allocator (vlmprobe.estimate.allocator: 512-byte rounding, segments
 in the order the ops run, and freed there when the storage dies, or resized in place (`resize_`, how FSDP2
 frees and re-allocates unsharded parameters: the old block is freed, a new one allocated); the figures are
 that model's.
+Host memory (offload to the CPU): while `track_host()` is on, each new storage is placed on the host or the
+device, and host storages are counted apart (host_current, host_peak: plain bytes, no allocator model),
+outside every device figure. Where it goes is `PLACEMENT` when a caller set it (the offload code that
+names a side: vlmprobe.distributed.host_memory), else where its inputs are: an op whose input storages
+(0-dim scalars aside) all live on the host runs on the host, as on CUDA (the optimizer step over offloaded
+partitions); anything else runs on the device.
 Storages that exist before the tracker starts are not counted, nor tensors made from Python data
 (`torch.tensor(...)`): a real run creates those without dispatching an allocation (only fake mode lifts
 them through `lift_fresh`), and in training code they are scalars kept on the CPU even under CUDA, such
@@ -15,6 +21,7 @@ as AdamW's step counters.
 
 from __future__ import annotations
 
+import contextvars
 import re
 import weakref
 
@@ -27,6 +34,9 @@ from vlmprobe.estimate.alloc_conf import AllocatorSettings
 from vlmprobe.estimate.allocator import CachingAllocatorModel
 
 _FROM_PYTHON_DATA = (torch.ops.aten.lift_fresh.default, torch.ops.aten.lift_fresh_copy.default)
+# "host" or "device": where the storages made now live, set around a call by the code that names a side; None:
+# where the op's inputs are
+PLACEMENT: contextvars.ContextVar[str | None] = contextvars.ContextVar("placement", default=None)
 
 
 class LiveBytesTracker(TorchDispatchMode):
@@ -42,6 +52,20 @@ class LiveBytesTracker(TorchDispatchMode):
         self._seen: weakref.WeakSet = weakref.WeakSet()
         self._blocks: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # storage -> (handle, finalizer)
         self._open = True  # storages that die after the measurement are not freed into the model
+        self._host: weakref.WeakKeyDictionary | None = None  # storage -> bytes, while host memory is told apart
+        self.host_current = self.host_peak = 0
+
+    def track_host(self) -> None:
+        """Tell host from device memory from now on (see the module doc)."""
+        if self._host is None:
+            self._host = weakref.WeakKeyDictionary()
+
+    @property
+    def host_tracked(self) -> bool:
+        return self._host is not None
+
+    def on_host(self, tensor: torch.Tensor) -> bool:
+        return self._host is not None and tensor.untyped_storage() in self._host
 
     @property
     def current(self) -> int:
@@ -56,7 +80,14 @@ class LiveBytesTracker(TorchDispatchMode):
     def reset_peak(self) -> None:
         self.allocator.reset_peak()
 
-    def _charge(self, storage) -> None:
+    def _charge(self, storage, on_host: bool = False) -> None:
+        if on_host:
+            self._host[storage] = cell = [storage.nbytes()]  # a cell: resize_ changes it, the finalizer reads it
+            self._seen.add(storage)
+            self.host_current += storage.nbytes()
+            self.host_peak = max(self.host_peak, self.host_current)
+            weakref.finalize(storage, self._free_host, cell).atexit = False
+            return
         handle = self.allocator.malloc(storage.nbytes())
         self._seen.add(storage)
         finalizer = weakref.finalize(storage, self._free, handle)
@@ -67,10 +98,20 @@ class LiveBytesTracker(TorchDispatchMode):
         if self._open:
             self.allocator.free(handle)
 
+    def _free_host(self, cell: list[int]) -> None:
+        if self._open:
+            self.host_current -= cell[0]
+
     def _resized(self, storage) -> None:
         """A storage resized in place (FSDP2 frees an unsharded parameter with resize_(0) and allocates it
         again with resize_(n), keeping the storage object): CUDA frees the old block and allocates a new
         one, so the model does the same."""
+        if self._host is not None and storage in self._host:  # a host buffer stays on the host
+            cell = self._host[storage]
+            self.host_current += storage.nbytes() - cell[0]
+            self.host_peak = max(self.host_peak, self.host_current)
+            cell[0] = storage.nbytes()
+            return
         handle, finalizer = self._blocks.pop(storage, (None, None))
         if finalizer is not None and finalizer.detach() is not None:
             self._free(handle)
@@ -122,8 +163,16 @@ class LiveBytesTracker(TorchDispatchMode):
             if inputs is None:  # an output aliasing an input (in-place op, view) allocated nothing new
                 inputs = {id(a.untyped_storage()) for a in storage_tensors((args, kwargs))}
             if id(storage) not in inputs:
-                self._charge(storage)
+                self._charge(storage, self._host is not None and self._placed_on_host(args, kwargs))
         return out
+
+    def _placed_on_host(self, args, kwargs) -> bool:
+        placement = PLACEMENT.get()
+        if placement is not None:
+            return placement == "host"
+        # 0-dim tensors are left out: CUDA ops take CPU scalars beside device tensors (AdamW's step counters)
+        storages = [t.untyped_storage() for t in storage_tensors((args, kwargs)) if t.dim() and t.device.type != "meta"]
+        return bool(storages) and all(s in self._host for s in storages)
 
 
 def storage_tensors(tree) -> list[torch.Tensor]:
