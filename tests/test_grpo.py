@@ -150,3 +150,13 @@ def test_zero3_gathers_the_whole_model_for_generation():
     spec = instantiate(OmegaConf.load(CONF / "model" / "qwen2_5_vl_tiny.yaml"), _convert_="all")
     whole = sum(p.numel() * 4 for p in spec.build(torch.device("meta"), torch.float32, init=False).parameters())
     assert whole // 2 <= generate_peak(True) - generate_peak(False) <= whole
+
+
+def test_a_sharded_points_processes_are_its_ranks_in_the_planner_and_the_worker_alike():
+    from vlmprobe.models.base import DataShape
+    from vlmprobe.steps.grpo import GRPOSettings
+
+    # 2 rows per rank x 2 ranks = one group of 4 generations: TRL accepts it, though one rank holds half a group
+    config = config_of(TINY + ["data.batch_size=2", "dist=fsdp2", "dist.world_size=2", "measure.backend=estimate"])
+    spec = instantiate(config["model"], _convert_="all")
+    assert GRPOSettings.from_point(config, DataShape.from_config(config["data"]), spec).num_processes == 2

@@ -286,11 +286,8 @@ def validate_step(cfg: dict, data, spec):
         return None
     from vlmprobe.steps.grpo import GRPOSettings
 
-    dist = cfg["dist"]
-    sharded = dist["name"] != "none"
-    settings = GRPOSettings.from_config(cfg["step"], data, cfg["train"]["grad_accum_steps"], cfg["measure"]["backend"],
-                                        spec, world_size=dist["world_size"] if sharded else None)
-    if dist["name"] == "zero3" and settings.logits == "chunked":
+    settings = GRPOSettings.from_point(cfg, data, spec)
+    if cfg["dist"]["name"] == "zero3" and settings.logits == "chunked":
         # TRL gathers the ZeRO-3 partitioned head around its kernel (maybe_gather_lm_head_ctx), in forward
         # and again in backward; vlmprobe's kernel does not
         raise ConfigError("step.logits=chunked is not allowed with dist=zero3: TRL's fused LM head gathers the "

@@ -92,7 +92,7 @@ def measure(point: dict) -> dict:
                 from vlmprobe.knobs import adapters_disabled
                 from vlmprobe.steps.grpo import GRPOSettings, grpo_steps
 
-                settings = GRPOSettings.from_config(point["step"], data, train["grad_accum_steps"], backend.name, spec)
+                settings = GRPOSettings.from_point(point, data, spec)
                 grpo_steps(spec, engine, reference, data, backend.device(), meter, point["measure"]["steps"],
                            autocast, report, train["grad_accum_steps"], settings, lambda: adapters_disabled(engine.model))
                 if settings.use_vllm:

@@ -59,6 +59,13 @@ class GRPOSettings:
     ds3_gather_for_generation: bool
 
     @classmethod
+    def from_point(cls, point: dict, data: "DataShape", spec) -> "GRPOSettings":
+        """The settings of a point's config (the planner validates with it, the worker runs with it)."""
+        dist = point["dist"]
+        return cls.from_config(point["step"], data, point["train"]["grad_accum_steps"], point["measure"]["backend"],
+                               spec, world_size=dist["world_size"] if dist["name"] != "none" else None)
+
+    @classmethod
     def from_config(cls, step: dict, data: "DataShape", accum: int, backend: str, spec,
                     world_size: int | None = None) -> "GRPOSettings":
         """One ConfigError line per value TRL (or vlmprobe) refuses, before anything is built. `world_size`:
