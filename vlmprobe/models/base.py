@@ -52,14 +52,23 @@ class ModelSpec(abc.ABC):
     def image_tokens(self, data: DataShape) -> int:
         """LM tokens that one sample's images occupy. Raises ConfigError for sizes the model cannot take."""
 
+    size_decides_tokens = False  # the too-short line names the image size (the family's tokens follow it)
+
+    def prompt_framing(self, data: DataShape) -> tuple[int, str]:
+        """Tokens the processor writes into the prompt beside the image tokens (markers, <bos>), and how the
+        too-short line names them."""
+        return 0, ""
+
     def validate(self, data: DataShape) -> None:
-        """Raise ConfigError (one line) if this model cannot run `data`; cheap, no torch work."""
+        """Raise ConfigError (one line) if this model cannot run `data`; cheap, no torch work: the prompt must
+        hold the images, their framing and at least one text token."""
         tokens = self.image_tokens(data)
-        if tokens >= data.lm_max_length:
-            raise ConfigError(
-                f"data.lm_max_length={data.lm_max_length} is too short for {self.name}: the images take "
-                f"{tokens} tokens, so it must be at least {tokens + 1}"
-            )
+        framing, named = self.prompt_framing(data)
+        needed = tokens + framing + 1
+        if data.lm_max_length < needed:
+            at = f" at {self.image_size(data)} px" if self.size_decides_tokens else ""
+            raise ConfigError(f"data.lm_max_length={data.lm_max_length} is too short for {self.name}{at}: the images "
+                              f"take {tokens} tokens{named}, so it must be at least {needed}")
 
     @abc.abstractmethod
     def towers(self, model: nn.Module) -> dict[str, list[nn.Module]]:

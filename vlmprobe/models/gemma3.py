@@ -80,13 +80,9 @@ class Gemma3Spec(ModelSpec):
         return [*newline, self.boi_token_id, *[self.image_token_id] * self.mm_tokens_per_image, self.eoi_token_id,
                 *newline]
 
-    def validate(self, data: DataShape) -> None:
-        tokens = self.image_tokens(data)
-        needed = data.images_per_sample * len(self._image_text()) + 2  # + <bos> and at least one text token
-        if data.lm_max_length < needed:
-            raise ConfigError(
-                f"data.lm_max_length={data.lm_max_length} is too short for {self.name}: the images take "
-                f"{tokens} tokens plus 4 markers each and <bos>, so it must be at least {needed}")
+    def prompt_framing(self, data: DataShape) -> tuple[int, str]:
+        written = data.images_per_sample * len(self._image_text()) + 1  # + <bos>
+        return written - self.image_tokens(data), " plus 4 markers each and <bos>"
 
     # -- model ----------------------------------------------------------------------------------------
     def config(self):

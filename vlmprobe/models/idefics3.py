@@ -137,14 +137,11 @@ class Idefics3Spec(ModelSpec):
         ids += [marker, marker, *image, marker]  # <fake_token_around_image><global-img> ... <fake_token_around_image>
         return ids
 
-    def validate(self, data: DataShape) -> None:
-        ids = self._image_text(*self.grid(data))
-        needed = data.images_per_sample * len(ids) + 2  # + <|im_start|> and at least one text token
-        if data.lm_max_length < needed:
-            raise ConfigError(
-                f"data.lm_max_length={data.lm_max_length} is too short for {self.name} at {self.image_size(data)} px: "
-                f"the images take {self.image_tokens(data)} tokens plus the processor's tile markers, so it must be "
-                f"at least {needed}")
+    size_decides_tokens = True
+
+    def prompt_framing(self, data: DataShape) -> tuple[int, str]:
+        written = data.images_per_sample * len(self._image_text(*self.grid(data))) + 1  # + <|im_start|>
+        return written - self.image_tokens(data), " plus the processor's tile markers"
 
     # -- model ----------------------------------------------------------------------------------------
     def config(self):

@@ -21,7 +21,6 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from vlmprobe.errors import ConfigError
 from vlmprobe.models.base import DataShape, ModelSpec, hyperparameters, prompt_then_text
 from vlmprobe.models.fake_constants import constant_tensor, hold_constant_limit, release_with
 
@@ -78,13 +77,10 @@ class InternVLSpec(ModelSpec):
     def image_tokens(self, data: DataShape) -> int:
         return data.images_per_sample * self.tiles(data) * self.image_seq_length
 
-    def validate(self, data: DataShape) -> None:
-        needed = self.image_tokens(data) + 2 * data.images_per_sample + 1  # + <img> </img> each, >= 1 text token
-        if data.lm_max_length < needed:
-            raise ConfigError(
-                f"data.lm_max_length={data.lm_max_length} is too short for {self.name} at {self.image_size(data)} px: "
-                f"the images take {self.image_tokens(data)} tokens plus <img> and </img> each, so it must be at "
-                f"least {needed}")
+    size_decides_tokens = True
+
+    def prompt_framing(self, data: DataShape) -> tuple[int, str]:
+        return 2 * data.images_per_sample, " plus <img> and </img> each"
 
     # -- model ----------------------------------------------------------------------------------------
     def config(self):

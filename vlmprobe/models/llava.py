@@ -106,12 +106,8 @@ class LlavaSpec(ModelSpec):
                 f"use {self.native_image_size} or null")
         return data.images_per_sample * self.tokens_per_image()
 
-    def validate(self, data: DataShape) -> None:
-        needed = self.image_tokens(data) + 2  # + <s> and at least one text token
-        if data.lm_max_length < needed:
-            raise ConfigError(
-                f"data.lm_max_length={data.lm_max_length} is too short for {self.name}: the images take "
-                f"{self.image_tokens(data)} tokens plus <s>, so it must be at least {needed}")
+    def prompt_framing(self, data: DataShape) -> tuple[int, str]:
+        return 1, " plus <s>"
 
     # -- model ----------------------------------------------------------------------------------------
     def config(self):

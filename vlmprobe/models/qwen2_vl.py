@@ -172,14 +172,10 @@ class Qwen2VLSpec(ModelSpec):
         rows, cols = self.grid(data)
         return data.images_per_sample * rows * cols // self.vision["spatial_merge_size"] ** 2
 
-    def validate(self, data: DataShape) -> None:
-        needed = self.image_tokens(data) + 2 * data.images_per_sample + 1  # + vision_start/end, >= 1 text token
-        if data.lm_max_length < needed:
-            raise ConfigError(
-                f"data.lm_max_length={data.lm_max_length} is too short for {self.name} at {self.image_size(data)} px: "
-                f"the images take {self.image_tokens(data)} tokens plus 2 vision markers each, so it must be at "
-                f"least {needed}"
-            )
+    size_decides_tokens = True
+
+    def prompt_framing(self, data: DataShape) -> tuple[int, str]:
+        return 2 * data.images_per_sample, " plus 2 vision markers each"  # vision_start / vision_end
 
     # -- model ----------------------------------------------------------------------------------------
     def config(self):
