@@ -151,10 +151,6 @@ class DeepSpeedEngine(Engine):
             accelerator.__dict__.pop("is_fp16_supported", None)
 
     @property
-    def module(self):
-        return self.model.module
-
-    @property
     def stage(self) -> int:
         """The ZeRO stage DeepSpeed runs (the user's JSON may name another than dist=)."""
         return self.config["zero_optimization"].get("stage", 0)

@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from vlmprobe.steps.common import make_optimizer, state_tensors
+from vlmprobe.steps.logprob import unwrapped
 
 
 def storage_bytes(tensors) -> int:
@@ -54,7 +55,7 @@ class Engine:
     @property
     def module(self) -> nn.Module:
         """The model as built, inside whatever wraps it (generate and the LoRA adapters live there)."""
-        return self.model
+        return unwrapped(self.model)
 
     @contextlib.contextmanager
     def generating(self):
@@ -110,10 +111,6 @@ class DDPEngine(Engine):
         from torch.nn.parallel import DistributedDataParallel
 
         return DistributedDataParallel(model, bucket_cap_mb=self.dist["bucket_cap_mb"])
-
-    @property
-    def module(self):
-        return self.model.module
 
 
 def tower_blocks(spec, model: nn.Module) -> list[nn.Module]:
