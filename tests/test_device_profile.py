@@ -70,9 +70,9 @@ def test_device_memory_wins_over_the_card_and_the_card_is_the_capacity_without_i
 
 def test_a_device_memory_above_the_card_is_refused_in_one_line():
     card = device_profile.load("rtx3090")
-    device_profile.check(card.total_memory, {}, {}, card)  # the whole card is allowed
+    device_profile.check(card.total_memory, {}, {}, "sdpa", card)  # the whole card is allowed
     with pytest.raises(ConfigError) as refused:
-        device_profile.check(card.total_memory + 1, {}, {}, card)
+        device_profile.check(card.total_memory + 1, {}, {}, "sdpa", card)
     assert str(refused.value) == ("measure.device_memory=25438126081 is not allowed with device=rtx3090: the NVIDIA "
                                   "GeForce RTX 3090 has 25,438,126,080 B (23.69 GiB); give at most that, or null to "
                                   "use the card's")
@@ -86,9 +86,9 @@ def test_a_device_memory_above_the_card_is_refused_in_one_line():
 def test_bfloat16_anywhere_is_refused_on_a_v100_and_allowed_on_an_a100(train, dist, key):
     with pytest.raises(ConfigError, match=f"^{key}=bfloat16 is not allowed with device=v100_32gb: the Tesla "
                                           f"V100-SXM2-32GB \\(sm70\\) has no bfloat16 kernels"):
-        device_profile.check(None, train, dist, device_profile.load("v100_32gb"))
-    device_profile.check(None, train, dist, device_profile.load("a100_40gb"))
-    device_profile.check(None, {"param_dtype": "float16", "autocast_dtype": None}, {}, device_profile.load("v100_32gb"))
+        device_profile.check(None, train, dist, "sdpa", device_profile.load("v100_32gb"))
+    device_profile.check(None, train, dist, "sdpa", device_profile.load("a100_40gb"))
+    device_profile.check(None, {"param_dtype": "float16", "autocast_dtype": None}, {}, "sdpa", device_profile.load("v100_32gb"))
 
 
 @pytest.mark.parametrize("real,key,same", [

@@ -146,8 +146,11 @@ def test_allocator_conf_is_recorded_in_the_row(plan_points):
     assert planned.inputs["alloc_conf"] == "expandable_segments:True"
 
 
-def test_flash_attention_2_is_skipped_with_the_reason_where_it_cannot_run(plan_points):
-    (planned,) = plan_points(["model=qwen2_vl_tiny", "data.lm_max_length=64", "measure.backend=estimate",
+def test_flash_attention_2_is_skipped_with_the_reason_on_the_cpu_backend_and_estimated(plan_points):
+    (planned,) = plan_points(["model=qwen2_vl_tiny", "data.lm_max_length=64", "measure.backend=cpu",
                               "model.attn_implementation=flash_attention_2"])
-    assert planned.skip == "flash_attention_2 has no CPU kernel to run on backend estimate; use sdpa or a GPU"
+    assert planned.skip == "flash_attention_2 has no CPU kernel to run on backend cpu; use sdpa or a GPU"
+    (estimated,) = plan_points(["model=qwen2_vl_tiny", "data.lm_max_length=64", "measure.backend=estimate",
+                                "model.attn_implementation=flash_attention_2"])
+    assert estimated.skip is None
     assert planned.inputs["attn_implementation"] == "flash_attention_2"

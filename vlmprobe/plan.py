@@ -127,7 +127,8 @@ def _describe_model(model_json: str, train_json: str, optimizer_json: str) -> tu
     from vlmprobe.worker import DTYPES, build_spec
 
     train, optimizer, model_cfg = json.loads(train_json), json.loads(optimizer_json), json.loads(model_json)
-    if model_cfg.get("attn_implementation") == "flash_attention_2":
+    flash = model_cfg.get("attn_implementation") == "flash_attention_2"
+    if flash:
         model_cfg["attn_implementation"] = "sdpa"  # same parameters; transformers refuses flash without its package
     spec = build_spec(model_cfg)
     try:
@@ -136,6 +137,9 @@ def _describe_model(model_json: str, train_json: str, optimizer_json: str) -> tu
         raise
     except Exception as exc:  # a hyperparameter the model's constructor (ours or transformers') refuses
         raise refused(f"model={spec.name} with its settings", f"{type(spec).__name__}'s constructor", exc) from None
+    if flash and not getattr(model, "_supports_flash_attn", False):  # what transformers checks before anything else
+        raise ConfigError(f"model.attn_implementation=flash_attention_2 is not allowed with model={spec.name}: "
+                          f"transformers' {type(model).__name__} has no flash attention path; use sdpa or eager")
     skip = quantization.skip_reason(model, train)
     if not skip:
         quantization.freeze_quantized(model, train)  # before the adapters, as the worker quantizes before them
@@ -200,7 +204,7 @@ def validate_point(cfg: dict, point: Point) -> tuple[dict, str | None]:
     measure["device_memory"] = parse_bytes(measure["device_memory"], "measure.device_memory")
     # the target card: a capacity above it, or bfloat16 on a card without it, is refused before any model is built
     profile = device_profile.from_config(cfg["device"])
-    device_profile.check(measure["device_memory"], train, cfg["dist"], profile)
+    device_profile.check(measure["device_memory"], train, cfg["dist"], cfg["model"].get("attn_implementation"), profile)
     if measure["backend"] == "cuda" and measure["isolate"] is False:
         raise ConfigError("measure.isolate=false is not allowed with backend cuda: each CUDA point runs in a fresh "
                           "process, or one point's allocator state would leak into the next")
@@ -307,6 +311,8 @@ def kernel_skip(cfg: dict) -> str | None:
     CUDA GPU (there is no CPU kernel to estimate it with)."""
     if cfg["model"].get("attn_implementation") != "flash_attention_2":
         return None
+    if cfg["measure"]["backend"] == "estimate":
+        return None  # vlmprobe.estimate.flash_attn_standin stands in for the package and its kernels
     if cfg["measure"]["backend"] != "cuda":
         return f"flash_attention_2 has no CPU kernel to run on backend {cfg['measure']['backend']}; use sdpa or a GPU"
     if importlib.util.find_spec("flash_attn") is None:

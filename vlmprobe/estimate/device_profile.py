@@ -131,22 +131,26 @@ def load(key: str) -> DeviceProfile:
     return from_config(OmegaConf.to_container(OmegaConf.load(CONF / "device" / f"{key}.yaml"), resolve=True))
 
 
-def check(device_memory: int | None, train: dict, dist: dict, profile: DeviceProfile | None) -> None:
+def check(device_memory: int | None, train: dict, dist: dict, attention: str, profile: DeviceProfile | None) -> None:
     """What a point asks of its target card, refused in one line before any heavy work: a capacity above the
-    card's, or bfloat16 on a card without it. `device_memory`: measure.device_memory in bytes."""
+    card's, flash_attention_2 or bfloat16 on a card without them. `device_memory`: measure.device_memory in
+    bytes; `attention`: model.attn_implementation."""
     if profile is None:
         return
     if device_memory is not None and device_memory > profile.total_memory:
         raise ConfigError(f"measure.device_memory={device_memory} is not allowed with device={profile.key}: the "
                           f"{profile.name} has {profile.total_memory:,} B ({profile.total_memory / GiB:.2f} GiB); "
                           f"give at most that, or null to use the card's")
+    major, minor = profile.compute_capability
+    if attention == "flash_attention_2" and major < 8:  # flash_api.cpp: "FlashAttention only supports Ampere GPUs or newer."
+        raise ConfigError(f"model.attn_implementation=flash_attention_2 is not allowed with device={profile.key}: "
+                          f"FlashAttention 2 runs on sm80 and newer, the {profile.name} is sm{major}{minor}; use sdpa")
     if profile.bf16:
         return
     dtypes = {"train.param_dtype": train.get("param_dtype"), "train.autocast_dtype": train.get("autocast_dtype"),
               "dist.mp_param_dtype": dist.get("mp_param_dtype"), "dist.mp_reduce_dtype": dist.get("mp_reduce_dtype")}
     for key, dtype in dtypes.items():
         if dtype == "bfloat16":
-            major, minor = profile.compute_capability
             raise ConfigError(f"{key}=bfloat16 is not allowed with device={profile.key}: the {profile.name} (sm{major}"
                               f"{minor}) has no bfloat16 kernels (they need sm80+); use float16 or float32")
 

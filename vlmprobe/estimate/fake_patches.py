@@ -66,15 +66,31 @@ def real_run_answers_for_fake_batches():
         finally:
             masking_utils.is_tracing, masking_utils.fast_all = tracing, fast_all
 
+    # The same for flash attention (vlmprobe.estimate.flash_attn_standin): flash_attention_mask drops generate()'s
+    # all-ones mask after reading it (.all()), and flash attention then runs unpadded; a fake mask that read
+    # False would send every layer through unpadding (nonzero), which a real run of an unpadded batch skips.
+    flash_masks = masking_utils.AttentionMaskInterface._global_mapping
+    original_flash = flash_masks["flash_attention_2"]
+
+    def flash_attention_mask(**kwargs):  # transformers calls mask interfaces by keyword
+        attention_mask, kv_length = kwargs.get("attention_mask"), kwargs["kv_length"]
+        if not isinstance(attention_mask, FakeTensor):
+            return original_flash(**kwargs)
+        sliced = attention_mask[:, -kv_length:]
+        sliced.all()  # what a real run computes to decide, then reads: synthetic prompts are unpadded
+        return None if sliced.shape[1] == kv_length else sliced
+
     masking_utils.find_packed_sequence_indices = find_packed_sequence_indices
     masking_utils._ignore_bidirectional_mask_sdpa = ignore_bidirectional_mask_sdpa
     masking_utils._ignore_causal_mask_sdpa = ignore_causal_mask_sdpa
+    flash_masks["flash_attention_2"] = flash_attention_mask
     try:
         yield
     finally:
         masking_utils.find_packed_sequence_indices = original
         masking_utils._ignore_bidirectional_mask_sdpa = original_bidirectional
         masking_utils._ignore_causal_mask_sdpa = original_causal
+        flash_masks["flash_attention_2"] = original_flash
 
 
 @contextlib.contextmanager

@@ -16,6 +16,7 @@ from vlmprobe.estimate.autocast_policy import cuda_autocast_policy
 from vlmprobe.backends.base import Backend
 from vlmprobe.estimate.sdpa_choice import cuda_sdpa_choice
 from vlmprobe.estimate.fake_patches import real_run_answers_for_fake_batches
+from vlmprobe.estimate.flash_attn_standin import flash_attention_standin
 from vlmprobe.estimate.tracker import LiveBytesTracker
 
 
@@ -65,6 +66,7 @@ class TrackedBackend(Backend):
                 # allow_non_fake_inputs: module buffers made from Python constants may be real
                 stack.enter_context(FakeTensorMode(allow_non_fake_inputs=True))
                 stack.enter_context(real_run_answers_for_fake_batches())
+                stack.enter_context(flash_attention_standin())  # flash_attention_2 without the package or a GPU
             tracker = stack.enter_context(LiveBytesTracker(capacity, answer_fake_scalar_reads=self.fake,
                                                            settings=settings, allowed_maximum=allowed_maximum))
             yield TrackerMeter(tracker, capacity)
