@@ -12,8 +12,11 @@
 #   6. allocator        the seq_len sweep at length 512 under three allocator settings (default,
 #                       expandable_segments:True, max_split_size_mb:128) with snapshots, and
 #                       scripts/check_allocator.py replaying each through the allocator model (check_allocator.log)
-#   7. baseline         the first baseline of this device (results/baseline/<device>/<sweep>/) when none exists
-# Needs nothing but the installed project (pip install -e ".[test]") and a CUDA GPU; about 10 minutes on an H100.
+#   7. grpo             the VLM-R1 preset's batch-1 GRPO point (Qwen2.5-VL-3B, 4 x 2048 completion tokens) on
+#                       cuda, SDPA attention (flash-attn is not in the GPU image) and no card profile (this card's
+#                       memory is the capacity), then scripts/check_estimate.py --cuda-dir on it (grpo_vs_estimate)
+#   8. baseline         the first baseline of this device (results/baseline/<device>/<sweep>/) when none exists
+# Needs nothing but the installed project (pip install -e ".[test]") and a CUDA GPU; about 15 minutes on an H100.
 # On a machine reached through a tool that returns few files, pack the directory: tar czf out.tgz -C DIR .
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -57,6 +60,10 @@ step allocator python -m vlmprobe +sweep=seq_len measure.backend=cuda measure.sn
   '+sweep.axes.measure.alloc_conf=[null,"expandable_segments:True","max_split_size_mb:128"]'
 ALLOCATOR=$(newest "$OUT/allocator/seq_len")
 [ -n "$ALLOCATOR" ] && step check_allocator python scripts/check_allocator.py "$ALLOCATOR"
+step grpo python -m vlmprobe +sweep=preset_vlm_r1_grpo_h20 measure.backend=cuda "results_dir=$OUT/grpo" \
+  'sweep.cases=[{}]' 'sweep.axes.data.batch_size=[1]' model.attn_implementation=sdpa device=none
+GRPO=$(newest "$OUT/grpo/preset_vlm_r1_grpo_h20")
+[ -n "$GRPO" ] && step grpo_vs_estimate python scripts/check_estimate.py --parts cuda --cuda-dir "$GRPO"
 
 baseline() {
   local dir target

@@ -26,12 +26,15 @@ def test_isolated_worker_returns_the_same_row_as_an_in_process_run(point):
     assert {k: isolated[k] for k in figures} == {k: in_process[k] for k in figures}
 
 
-def test_out_of_memory_in_a_worker_is_a_row_with_the_peak_before_it_and_the_request(point):
+def test_out_of_memory_in_a_worker_is_a_row_with_the_peak_before_it_and_the_request(point, tmp_path):
     # The tiny model's tensors fit in 2 MiB small-pool segments; the 2 MiB logits of 8 x 256 tokens x 512
     # vocab x bf16 (autocast) need a 20 MiB large-pool segment, which does not fit in 10 MiB
-    row = run_point(point(TINY + ["measure.isolate=true", "measure.device_memory=10MiB", "data.batch_size=8",
-                                  "data.lm_max_length=256"]))
+    config = point(TINY + ["measure.isolate=true", "measure.device_memory=10MiB", "data.batch_size=8",
+                           "data.lm_max_length=256"])
+    config["measure"]["snapshot_file"] = str(tmp_path / "snapshots" / "point.pickle")  # as the sweep names it
+    row = run_point(config)
     assert row["status"] == "oom"
+    assert row["snapshot_file"] is None and not (tmp_path / "snapshots").exists()  # the estimate records none
     assert 0 < row["peak_allocated_bytes"] <= 10 * 2**20
     assert row["oom_segment_bytes"] == 20 * 2**20  # the segment that did not fit
     assert row["oom_block_bytes"] == 8 * 256 * 512 * 2  # for the logits, a multiple of 512 already

@@ -115,7 +115,6 @@ def measure(point: dict) -> dict:
         out["notes"] = "; ".join(meter.notes) or None
         path = point["measure"].get("snapshot_file")
         if path and (point["measure"]["snapshot"] or out["status"] == "oom"):
-            Path(path).parent.mkdir(parents=True, exist_ok=True)
             out["snapshot_file"] = path if backend.write_snapshot(meter, path) else None
     return out
 

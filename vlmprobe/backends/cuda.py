@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import os
 import warnings
+from pathlib import Path
 
 import torch
 
@@ -171,6 +172,7 @@ class CudaBackend(Backend):
     def write_snapshot(self, meter, path) -> bool:
         if not meter.recording:
             return False
+        Path(path).parent.mkdir(parents=True, exist_ok=True)  # made here: backends without snapshots leave no folder
         torch.cuda.memory._dump_snapshot(str(path))
         return True
 
