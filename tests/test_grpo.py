@@ -94,7 +94,7 @@ def test_lora_policy_is_its_own_reference():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("extra", [["step.logits=logits_to_keep"], ["train.grad_accum_steps=2"],
+@pytest.mark.parametrize("extra", [["step.logits=logits_to_keep"], ["step.logits=full_sequence"], ["train.grad_accum_steps=2"],
                                    ["train.grad_ckpt.lm=true", "train.grad_ckpt.vision=true"],
                                    ["step.compact=false"]])
 def test_every_knob_runs(extra):
@@ -160,3 +160,35 @@ def test_a_sharded_points_processes_are_its_ranks_in_the_planner_and_the_worker_
     config = config_of(TINY + ["data.batch_size=2", "dist=fsdp2", "dist.world_size=2", "measure.backend=estimate"])
     spec = instantiate(config["model"], _convert_="all")
     assert GRPOSettings.from_point(config, DataShape.from_config(config["data"]), spec).num_processes == 2
+
+
+# --- VLM-R1's own logits path (step.logits=full_sequence): its VLMGRPOTrainer._get_per_token_logps ---
+
+def test_vlm_r1_full_sequence_log_probs_equal_trl_0_17s_on_real_tensors():
+    from vlmprobe.models.base import DataShape
+    from vlmprobe.steps import logprob
+    from vlmprobe.steps.grpo import policy_batch
+
+    spec = instantiate(OmegaConf.load(CONF / "model" / "qwen2_5_vl_tiny.yaml"), _convert_="all")
+    torch.manual_seed(0)
+    model = spec.build(torch.device("cpu"), torch.float32).eval()
+    batch = policy_batch(spec, 2, DataShape(batch_size=2, lm_max_length=40), 16, torch.device("cpu"))
+    with torch.no_grad():
+        full, _ = logprob.full_sequence(model, batch, 16)
+        kept, _ = logprob.logits_to_keep(model, batch, 16)
+    assert full.shape == kept.shape == (2, 16)
+    torch.testing.assert_close(full, kept)
+
+
+@pytest.mark.slow
+def test_vlm_r1_full_sequence_keeps_the_prompt_positions_for_backward_as_counted_by_hand():
+    def activations(path):
+        row = measure(config_of(TINY + ["measure.backend=cpu", f"step.logits={path}"]))
+        assert row["status"] == "ok", row.get("error")
+        return row["activations_bytes"]
+
+    rows, prompt, vocab, hidden = 4, 40, 512, 64  # TINY's batch and prompt; qwen2_5_vl_tiny's vocab and width
+    # beyond TRL 0.17's C + 1 positions, every prompt position but the last: each row's log_softmax output
+    # (float32 under CUDA's autocast, saved for backward) and the LM head's input (autocast's bf16 copy, saved)
+    extra = rows * (prompt - 1) * (vocab * 4 + hidden * 2)
+    assert activations("full_sequence") - activations("logits_to_keep") == extra

@@ -1,5 +1,6 @@
 """The GRPO step (step=grpo), as TRL's GRPOTrainer runs it (trl 1.16, trainer/grpo_trainer.py; the logits
-path of TRL 0.17, which VLM-R1 pins, is `step.logits=logits_to_keep`). Per optimizer step:
+path of TRL 0.17, which VLM-R1 pins, is `step.logits=logits_to_keep`, and VLM-R1's own trainer's is
+`full_sequence`). Per optimizer step:
 
 1. generate: the prompts of the whole generation batch (per_device_train_batch_size x gradient accumulation
    rows: TRL's steps_per_generation defaults to the accumulation steps, and each prompt with its image is
@@ -118,6 +119,8 @@ class GRPOSettings:
 def log_probs(settings: GRPOSettings, model, batch: dict, completion: int, with_entropy: bool):
     if settings.logits == "chunked":
         return logprob.chunked(model, batch, completion, settings.compact, with_entropy)
+    if settings.logits == "full_sequence":
+        return logprob.full_sequence(model, batch, completion)
     return logprob.logits_to_keep(model, batch, completion)
 
 

@@ -1,4 +1,4 @@
-"""Per-token log-probabilities of the completion tokens: the two logits paths TRL has had.
+"""Per-token log-probabilities of the completion tokens: the two logits paths TRL has had, and VLM-R1's own.
 
 `chunked` (TRL >= 1.x; followed here: trl 1.16 trainer/utils.py add_fused_lm_head and
 kernels/chunked_logprob.py ChunkedLogProbFunction): the backbone's last hidden state is projected through
@@ -15,6 +15,12 @@ left out (values do not change memory). `compact=False` projects every position,
 [rows, C + 1, vocab] logits in the compute dtype; the last is dropped, the rest divided by the temperature
 (a copy) and turned into log-probabilities row by row (selective_log_softmax: gather + logsumexp per row in
 float32, log_softmax per row otherwise), so backward keeps those logits and each row's softmax.
+
+`full_sequence` (VLM-R1's own VLMGRPOTrainer._get_per_token_logps, om-ai-lab/VLM-R1
+src/open-r1-multimodal/src/open_r1/trainer/grpo_trainer.py, which does not use TRL 0.17's logits_to_keep):
+the model's head over every position gives [rows, P + C, vocab] logits in the compute dtype; the last
+position is dropped and each row's log_softmax (kept for backward) gathered at the next token, stacked, and
+the completion positions taken after (`[:, prompt_length - 1:]`).
 """
 
 from __future__ import annotations
@@ -27,7 +33,7 @@ import torch
 TOKEN_CHUNK = 4096  # tokens per projection tile (TOKEN_CHUNK_SIZE)
 VOCAB_CHUNK = 32768  # vocabulary columns per tile (_CHUNKED_LOGPROB_CHUNK_SIZE)
 STATISTICS = 7  # float32 vectors of N the forward keeps while it folds (max, sums, target logit, ...)
-LOGITS_PATHS = ("chunked", "logits_to_keep")
+LOGITS_PATHS = ("chunked", "logits_to_keep", "full_sequence")
 
 
 class ChunkedLogProb(torch.autograd.Function):
@@ -148,3 +154,13 @@ def logits_to_keep(model, batch: dict, completion: int, temperature: float = 1.0
         return selected - log_z, None
     rows = [torch.log_softmax(row, dim=-1).gather(-1, ids.unsqueeze(-1)).squeeze(-1) for row, ids in zip(logits, index)]
     return torch.stack(rows), None
+
+
+def full_sequence(model, batch: dict, completion: int):
+    """(log_probs, None) [rows, completion] as VLM-R1's _get_per_token_logps: logits over every position, the
+    last dropped, log_softmax and gather row by row (a loop "to reduce memory peak"), then the completion."""
+    inputs = {k: v for k, v in batch.items() if k != "labels"}
+    logits = model(**inputs, attention_mask=None, use_cache=False).logits[:, :-1]
+    ids = batch["input_ids"][:, 1:]
+    rows = [torch.gather(row.log_softmax(dim=-1), dim=1, index=i.unsqueeze(1)).squeeze(1) for row, i in zip(logits, ids)]
+    return torch.stack(rows)[:, -completion:], None
