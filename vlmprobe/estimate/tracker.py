@@ -22,6 +22,7 @@ as AdamW's step counters.
 from __future__ import annotations
 
 import contextvars
+import functools
 import re
 import weakref
 
@@ -33,6 +34,7 @@ from torch.utils._pytree import tree_leaves
 from vlmprobe.estimate.alloc_conf import AllocatorSettings
 from vlmprobe.estimate.allocator import CachingAllocatorModel
 
+_DEVICE = torch.ops.prim.device.default
 _FROM_PYTHON_DATA = (torch.ops.aten.lift_fresh.default, torch.ops.aten.lift_fresh_copy.default)
 # "host" or "device": where the storages made now live, set around a call by the code that names a side; None:
 # where the op's inputs are
@@ -137,7 +139,11 @@ class LiveBytesTracker(TorchDispatchMode):
         return super().__exit__(*exc)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is _DEVICE:  # C++ asks each fake tensor's device several times an op: no storage to see
+            return func(*args)
         kwargs = kwargs or {}
+        if aliases_inputs(func):  # a view (about a quarter of a ZeRO-3 step's ops): nothing new to charge
+            return func(*args, **kwargs)
         try:
             out = func(*args, **kwargs)
         except DataDependentOutputException:
@@ -173,6 +179,18 @@ class LiveBytesTracker(TorchDispatchMode):
         # 0-dim tensors are left out: CUDA ops take CPU scalars beside device tensors (AdamW's step counters)
         storages = [t.untyped_storage() for t in storage_tensors((args, kwargs)) if t.dim() and t.device.type != "meta"]
         return bool(storages) and all(s in self._host for s in storages)
+
+
+@functools.cache
+def aliases_inputs(func) -> bool:
+    """Whether every output of the op is always a view of an input, so that it allocates no storage: its
+    schema says each output aliases an input (`Tensor(a)`, no write), and it has no CompositeImplicitAutograd
+    kernel (those, `to`, `reshape`, `contiguous`, may copy instead; torch requires every other op with such a
+    schema to return views)."""
+    schema = getattr(func, "_schema", None)
+    return (bool(getattr(func, "is_view", False)) and bool(schema.returns)
+            and all(r.alias_info is not None and not r.alias_info.is_write for r in schema.returns)
+            and not torch._C._dispatch_has_kernel_for_dispatch_key(func.name(), "CompositeImplicitAutograd"))
 
 
 def storage_tensors(tree) -> list[torch.Tensor]:
