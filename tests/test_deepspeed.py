@@ -126,3 +126,40 @@ def test_zero3_optimizer_offload_moves_the_hand_counted_bytes_to_the_host(point,
     assert offloaded["after_step_host_bytes"] == part + 2 * pinned(part) + 2 * part + 1
     assert kept["after_step_host_bytes"] is None  # no offload: host memory is not told apart
     assert offloaded["optimizer_state_bytes"] == 0 and offloaded["params_bytes"] == kept["params_bytes"]
+
+
+@pytest.mark.slow  # one DeepSpeed simulation, ~30 s
+def test_zero3_offload_host_bytes_are_deepspeeds_buffers_itemised(point, compose, tmp_path):
+    # what a rank keeps on the host between steps, bf16 weights, the optimizer and the parameters offloaded,
+    # each buffer as DeepSpeed 0.19.8 makes it (runtime/zero/stage3.py); sub_group_size 1 makes every
+    # parameter's piece a sub group of its own, so the per-sub-group buffers are counted per parameter
+    pytest.importorskip("deepspeed")
+    import torch
+    from hydra.utils import instantiate
+
+    world = 2
+    user = {"bf16": {"enabled": "auto"}, "train_micro_batch_size_per_gpu": "auto",
+            "gradient_accumulation_steps": "auto",
+            "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"}, "offload_param": {"device": "cpu"},
+                                  "sub_group_size": 1, "reduce_bucket_size": 20000,
+                                  "stage3_prefetch_bucket_size": 20000, "stage3_param_persistence_threshold": 0,
+                                  "stage3_max_live_parameters": 40000}}
+    path = tmp_path / "zero3_offload.json"
+    path.write_text(json.dumps(user))
+    spec = instantiate(compose(["model=nanovlm_tiny"]).model, _convert_="all")
+    pieces = [math.ceil(p.numel() / world) for p in spec.build("meta", torch.bfloat16, init=False).parameters()]
+    p = sum(pieces)  # rank 0's partition, elements (every parameter padded to a multiple of the world size)
+    pinned = lambda n: 1 << (n - 1).bit_length()  # noqa: E731  torch's pinned host blocks: a power of two
+    hand = (pinned(2 * p)  # the bf16 partitions' flat buffer (_create_param_groups_fp16_flat_cpu_memory)
+            + pinned(2 * p)  # the gradient partitions' flat buffer: bf16, the model's dtype (grad_accum_dtype)
+            + sum(pinned(4 * n) for n in pieces)  # an fp32 gradient buffer per sub group (initialize_optimizer_states)
+            + 4 * p  # the fp32 master partition (_create_fp32_partitions, not pinned)
+            + 2 * 4 * p  # AdamW's two moments
+            + 1)  # the inf/nan flag (inf_or_nan_tracker, one bool)
+    rank0 = run_dist(point, [*TINY, "dist=zero3", "train.param_dtype=bfloat16", "train.autocast_dtype=null",
+                             f"dist.deepspeed_config={path}", "measure.backend=estimate"])["ranks"][0]
+    assert rank0["status"] == "ok", rank0.get("error")
+    # not among them: each parameter's own pinned piece (partition_parameters.py:_partition_param), freed when
+    # _move_to_flat_buffer points it into the flat buffer, made before it: both are in the peak
+    assert rank0["after_step_host_bytes"] == hand
+    assert rank0["peak_host_bytes"] >= sum(pinned(2 * n) for n in pieces) + pinned(2 * p)

@@ -22,9 +22,10 @@ CPU on CUDA too: the pinned fp16 flat buffer of stage3.py:_create_param_groups_f
 Everything else is placed by the tracker: an op over host storages only runs on the host (the optimizer
 step over the fp32 partitions, its moments, the gradient norms of the host gradients), any other on the
 device (forward, backward, the gathered parameters, the reduce buckets).
-Host figures are plain bytes: pinned memory's rounding (torch's CachingHostAllocator rounds a pinned block
-up to a power of two) and DeepSpeedCPUAdam's in-place update (here torch's AdamW over the host partitions,
-with its temporaries) are not modelled.
+Host figures are the bytes of live host buffers, pinned ones rounded up to a power of two as torch's
+CachingHostAllocator rounds them; a freed pinned block that torch keeps cached for reuse is not counted (as a
+freed device block is not in `allocated`). DeepSpeedCPUAdam's in-place update is not modelled (here torch's
+AdamW over the host partitions, with its temporaries).
 """
 
 from __future__ import annotations
@@ -118,11 +119,15 @@ def host_placement():
         """DeepSpeed's accelerator pins a copy of `tensor` (abstract_accelerator.py: tensor.pin_memory(), or a
         fresh pinned buffer of its shape with make_copy=False). torch's CachingHostAllocator gives a pinned
         block of the size rounded up to a power of two (ATen/core/CachingHostAllocator.h, allocate: at
-        the default pinned_max_round_threshold), so the copy is a view into a buffer of that size."""
+        the default pinned_max_round_threshold), so the copy lies in a buffer of that size. It is detached from
+        that buffer: a view's `_base` would keep the block alive after its tensor is pointed elsewhere, which
+        CUDA's pinned copy (no view) does not. DeepSpeed does that to every parameter's pinned partition under
+        offload_param (stage3.py:_move_to_flat_buffer, `src.data = dest.data` into the flat host buffer): on
+        CUDA the partition's block is freed there (and kept in torch's pinned-block cache)."""
         block = 1 << max(tensor.nbytes - 1, 0).bit_length()
         with placed("host"):
             buffer = torch.empty(block // tensor.element_size(), dtype=tensor.dtype)
-            return buffer[:tensor.numel()].view(tensor.shape).copy_(tensor)
+            return buffer[:tensor.numel()].view(tensor.shape).detach().copy_(tensor)
 
     accelerator = get_accelerator()
     patches = {(torch.Tensor, "to"): tensor_to, (torch.Tensor, "cpu"): tensor_cpu,
