@@ -11,6 +11,7 @@ import pytest
 from vlmprobe.distributed.deepspeed_engine import deepspeed_config, fill_auto
 
 TINY = ["model=nanovlm_tiny", "data.batch_size=2", "data.lm_max_length=64", "dist.world_size=2"]
+TINY_HEAD = 16384  # elements of nanovlm_tiny's LM head (its vocabulary x hidden size), tied to the embedding
 # buckets small enough that the tiny model's partitions, not DeepSpeed's 5e8-element defaults, set the figures
 SMALL = ["dist.reduce_bucket_size=20000", "dist.allgather_bucket_size=20000"]
 STAGE3 = ["dist.stage3_prefetch_bucket_size=20000", "dist.stage3_param_persistence_threshold=0",
@@ -18,7 +19,7 @@ STAGE3 = ["dist.stage3_prefetch_bucket_size=20000", "dist.stage3_param_persisten
 # Real gloo ranks of one configuration differ from run to run by up to 8 KiB in a phase or two (after load,
 # the step), cause not found. The point's peak is equal to the byte.
 TOLERANCE = 16 * 1024
-BYTES = ("peak_host_bytes", "after_step_host_bytes", "peak_allocated_bytes", "last_step_peak_allocated_bytes", "forward_peak_bytes", "backward_peak_bytes",
+BYTES = ("load_peak_bytes", "peak_host_bytes", "after_step_host_bytes", "peak_allocated_bytes", "last_step_peak_allocated_bytes", "forward_peak_bytes", "backward_peak_bytes",
          "optimizer_peak_bytes", "after_load_bytes", "after_step_bytes", "activations_bytes", "params_bytes", "grads_bytes",
          "optimizer_state_bytes")
 
@@ -41,6 +42,7 @@ OFFLOAD = ["dist.offload_optimizer=cpu", "dist.offload_param=cpu"]
 
 @pytest.mark.parametrize("stage, offload", [
     pytest.param("zero3", [], id="zero3"), pytest.param("zero3", OFFLOAD, marks=pytest.mark.slow, id="zero3-offload"),
+    pytest.param("zero3", ["dist.zero_init=false"], marks=pytest.mark.slow, id="zero3-built-whole"),
     pytest.param("zero1", [], marks=pytest.mark.slow, id="zero1"), pytest.param("zero2", [], marks=pytest.mark.slow, id="zero2")])
 # zero2 with offload_optimizer is left out: the estimate matched real gloo ranks to the byte in one run of three;
 # in the other two real rank 1's optimizer-phase peak was 77,312 B higher (cause not found)
@@ -56,6 +58,15 @@ def test_zero_estimate_equals_real_gloo_ranks_to_the_byte(point, stage, offload)
         apart = {k: (simulated[rank][k], v) for k, v in columns.items()
                  if not (simulated[rank][k] is v is None or abs(simulated[rank][k] - v) <= TOLERANCE)}
         assert not apart, (rank, apart)  # column: (estimate, real)
+        # The build's peak is equal but under zero.Init, where a real rank may be above by the piece of the
+        # head's own weight (made as nn.Linear's __init__ ends, dropped when nanoVLM ties the head to the
+        # embedding): on the fake group it dies there; real gloo ranks were above by 0, 32,768 and 33,280 B
+        # in three runs (who holds the piece, and the extra block: not found). Bounded by the piece and a block.
+        real_build, simulated_build = (next(r["build_peak_bytes"] for r in o["ranks"] if r["rank"] == rank)
+                                       for o in (cpu, estimate))
+        zero_init = stage == "zero3" and "dist.zero_init=false" not in offload
+        head_piece = -(-4 * math.ceil(TINY_HEAD / 2) // 512) * 512  # fp32, 2 ranks, a 512-byte block
+        assert 0 <= real_build - simulated_build <= (head_piece + 512 if zero_init else 0)
     if not offload:  # (offloaded, the state is host memory)
         assert estimate["optimizer_state_bytes"] > 0  # the update ran (an overflow read as set would skip it)
 
@@ -163,3 +174,28 @@ def test_zero3_offload_host_bytes_are_deepspeeds_buffers_itemised(point, compose
     # _move_to_flat_buffer points it into the flat buffer, made before it: both are in the peak
     assert rank0["after_step_host_bytes"] == hand
     assert rank0["peak_host_bytes"] >= sum(pinned(2 * n) for n in pieces) + pinned(2 * p)
+
+
+@pytest.mark.slow  # two DeepSpeed simulations, ~30 s
+def test_zero_init_builds_this_ranks_pieces_and_one_module_whole_at_a_time(point, compose):
+    # the build's peak, hand-counted from the meta model (512-byte blocks, bf16): built whole, a rank holds every
+    # parameter; under zero.Init only its pieces, and the module whose weights are being filled, gathered whole
+    pytest.importorskip("deepspeed")
+    import torch
+    from hydra.utils import instantiate
+
+    world = 8
+    block = lambda n: -(-n // 512) * 512  # noqa: E731
+    model = instantiate(compose(["model=qwen2_vl_tiny"]).model, _convert_="all").build("meta", torch.bfloat16, init=False)
+    whole = sum(block(2 * p.numel()) for p in model.parameters())
+    pieces = sum(block(2 * math.ceil(p.numel() / world)) for p in model.parameters())
+    buffers = sum(block(b.nbytes) for b in model.buffers())  # rotary tables: not partitioned
+    largest = max(sum(block(2 * p.numel()) for p in m.parameters(recurse=False)) for m in model.modules())
+    rows = {zero_init: run_dist(point, ["model=qwen2_vl_tiny", "train.param_dtype=bfloat16", "train.autocast_dtype=null",
+                                        "data.batch_size=1", "dist=zero3", f"dist.world_size={world}",
+                                        f"dist.zero_init={zero_init}", *SMALL, *STAGE3,
+                                        "measure.backend=estimate"])["ranks"][0]
+            for zero_init in ("true", "false")}
+    assert rows["false"]["build_peak_bytes"] == whole + buffers
+    assert rows["true"]["build_peak_bytes"] == pieces + buffers + largest
+    assert rows["true"]["after_load_bytes"] == rows["false"]["after_load_bytes"]  # partitioned alike once prepared
