@@ -40,10 +40,17 @@ torch's CachingHostAllocator does), and what of ours it leaves (`ours - hand`):
          (fp32 master, fp32 gradients, moments: 16 B per parameter over the node's ranks), or 4P per GPU when
          that is more: a whole fp32 model loaded by every rank of the node, which the estimate does not build
          on the host. Ours is above the 16 B by the bf16 buffers and the power-of-two rounding of pinned blocks.
-  host, zero3: pinned bf16 flat partition, pinned fp32 gradient partitions' flat buffer, pinned fp32 gradient
-         buffer of the sub group, the fp32 master (not pinned), the moments; 18P per node by the formula (2 B
-         bf16 weights + 16 B). This hand count is not right yet: ours differs from it by -0.33 to +1.59 GiB
-         per rank (-4% to +7%; results/check_zero_model_states/offload_table.md), not yet explained.
+  host, zero3 (stage3.py unless named): the pinned bf16 flat partition (_create_param_groups_fp16_flat_cpu_
+         memory, 2p); the pinned gradient partitions' flat buffer (grad_partitions_flat_buffer, 2p: it is made
+         in gradient_accumulation_dtype, which is the model's dtype unless the config sets
+         data_types.grad_accum_dtype, engine.py:get_data_types); a pinned fp32 gradient buffer per sub group
+         (initialize_optimizer_states, 4 B per element of each sub group: sub_group_size cuts the partition
+         into pieces of at least 1e9 elements, _create_fp16_sub_groups); the fp32 master partition (not pinned,
+         4p); AdamW's moments (8p); the 1-byte inf/nan flag (inf_or_nan_tracker): equal to ours to the byte.
+         (Each parameter's own pinned bf16 partition, made by partition_parameters.py:_partition_param, is
+         freed when _move_to_flat_buffer points it into the flat partition: in the peak, not between steps.)
+         The formula: 18P per node (2 B bf16 weights + 16 B), 2P/N per rank less than ours, plus the pinned
+         rounding.
 
     python scripts/check_zero_model_states.py [--models nanovlm_222m,qwen2_vl_2b] [--worlds 1,2,4,8,16]
                                                [--stages 2,3] [--offload]
@@ -94,6 +101,22 @@ def partition(stage: int, numels: list[int], world: int) -> int:
     return 2 * math.ceil(sum(numels) / (2 * world))
 
 
+SUB_GROUP_SIZE = 10**9  # zero_optimization.sub_group_size (elements): DeepSpeed's default, the points leave it
+
+
+def sub_groups(parts: list[int]) -> list[int]:
+    """Elements of each of stage 3's sub groups of a rank's partition (`parts`: each parameter's piece, in
+    order), cut as stage3.py:_create_fp16_sub_groups cuts them: a sub group closes once it holds at least
+    sub_group_size elements."""
+    groups, size = [], 0
+    for i, n in enumerate(parts):
+        size += n
+        if size >= SUB_GROUP_SIZE or i == len(parts) - 1:
+            groups.append(size)
+            size = 0
+    return groups
+
+
 def pinned(nbytes: int) -> int:
     """A pinned host block: torch's CachingHostAllocator rounds it up to a power of two."""
     return 1 << (nbytes - 1).bit_length()
@@ -105,7 +128,8 @@ def block(nbytes: int) -> int:
 
 # Hand counts of what a rank keeps between steps under offload (bf16 weights, fp32 master), each buffer named
 # after the DeepSpeed 0.19.8 code that makes it; p: rank 0's partition (elements), Lp: the largest parameter,
-# R: reduce_bucket_size, S: the parameters stage 3 keeps gathered (below stage3_param_persistence_threshold)
+# R: reduce_bucket_size, S: the parameters stage 3 keeps gathered (below stage3_param_persistence_threshold),
+# subgroups: stage 3's sub groups of rank 0's partition (elements each)
 HAND_DEVICE = {
     2: lambda r: block(2 * r.N * r.p) + block(2 * r.Lp),  # bf16 flat weights (whole); temp_grad_buffer_for_gpu_offload
     3: lambda r: block(2 * r.R) + r.S}  # the ipg reduce bucket (bf16); the persistent parameters, gathered
@@ -114,9 +138,10 @@ HAND_HOST = {
     # temp_grad_buffer_for_cpu_offload (the largest parameter, bf16), the fp32 gradient partition; AdamW's moments
     2: lambda r: pinned(4 * r.p) + pinned(2 * r.p) + pinned(2 * r.Lp) + pinned(4 * r.p) + 8 * r.p,
     # pinned: the bf16 partitions' flat buffer (_create_param_groups_fp16_flat_cpu_memory), the gradient
-    # partitions' flat buffer (grad_partitions_flat_buffer, fp32), the fp32 gradient buffer of the sub group;
-    # the fp32 master partition (not pinned); AdamW's moments
-    3: lambda r: pinned(2 * r.p) + pinned(4 * r.p) + pinned(4 * r.p) + 4 * r.p + 8 * r.p}
+    # partitions' flat buffer (grad_partitions_flat_buffer, bf16: the model's dtype), an fp32 gradient buffer per
+    # sub group; the fp32 master partition (not pinned); AdamW's moments; the inf/nan flag (1 bool)
+    3: lambda r: (pinned(2 * r.p) + pinned(2 * r.p) + sum(pinned(4 * int(n)) for n in str(r.subgroups).split())
+                  + 4 * r.p + 8 * r.p + 1)}
 
 
 # formula - ours, term by term (see the module doc); P parameters, L the largest module's, N ranks, R the
@@ -141,7 +166,7 @@ def deepspeed_formula(stage: int, params: int, largest: int, world: int, offload
                                                  cpu_offload_params=offload, zero_init=True)[:2]
 
 
-RAW = ["model", "stage", "N", "offload", "P", "L", "R", "p", "Lp", "S", "after_load_bytes", "after_step_bytes", "params_bytes",
+RAW = ["model", "stage", "N", "offload", "P", "L", "R", "p", "Lp", "S", "subgroups", "after_load_bytes", "after_step_bytes", "params_bytes",
        "grads_bytes", "optimizer_state_bytes", "peak_allocated_bytes", "after_step_host_bytes", "peak_host_bytes",
        "simulation_s"]
 OFFLOAD = {2: ["dist.offload_optimizer=cpu"], 3: ["dist.offload_optimizer=cpu", "dist.offload_param=cpu"]}
@@ -173,7 +198,8 @@ def simulate(models: list[str], stages: list[int], worlds: list[int], offload: b
                             "P": params, "L": largest, "R": config["dist"]["reduce_bucket_size"], "simulation_s": took,
                             "p": partition(stage, numels, world), "Lp": max(numels),
                             "S": sum(block(2 * n) for n in numels
-                                     if n < config["dist"].get("stage3_param_persistence_threshold", 0))})
+                                     if n < config["dist"].get("stage3_param_persistence_threshold", 0)),
+                            "subgroups": " ".join(map(str, sub_groups([math.ceil(n / world) for n in numels])))})
                 if save:
                     pd.DataFrame(raw, columns=RAW).to_csv(save, index=False)
     return pd.DataFrame(raw, columns=RAW)

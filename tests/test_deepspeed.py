@@ -11,6 +11,7 @@ import pytest
 from vlmprobe.distributed.deepspeed_engine import deepspeed_config, fill_auto
 
 TINY = ["model=nanovlm_tiny", "data.batch_size=2", "data.lm_max_length=64", "dist.world_size=2"]
+TINY_HEAD = 16384  # elements of nanovlm_tiny's LM head (its vocabulary x hidden size), tied to the embedding
 # buckets small enough that the tiny model's partitions, not DeepSpeed's 5e8-element defaults, set the figures
 SMALL = ["dist.reduce_bucket_size=20000", "dist.allgather_bucket_size=20000"]
 STAGE3 = ["dist.stage3_prefetch_bucket_size=20000", "dist.stage3_param_persistence_threshold=0",
@@ -18,7 +19,7 @@ STAGE3 = ["dist.stage3_prefetch_bucket_size=20000", "dist.stage3_param_persisten
 # Real gloo ranks of one configuration differ from run to run by up to 8 KiB in a phase or two (after load,
 # the step), cause not found. The point's peak is equal to the byte.
 TOLERANCE = 16 * 1024
-BYTES = ("peak_host_bytes", "after_step_host_bytes", "peak_allocated_bytes", "last_step_peak_allocated_bytes", "forward_peak_bytes", "backward_peak_bytes",
+BYTES = ("load_peak_bytes", "peak_host_bytes", "after_step_host_bytes", "peak_allocated_bytes", "last_step_peak_allocated_bytes", "forward_peak_bytes", "backward_peak_bytes",
          "optimizer_peak_bytes", "after_load_bytes", "after_step_bytes", "activations_bytes", "params_bytes", "grads_bytes",
          "optimizer_state_bytes")
 
@@ -41,6 +42,7 @@ OFFLOAD = ["dist.offload_optimizer=cpu", "dist.offload_param=cpu"]
 
 @pytest.mark.parametrize("stage, offload", [
     pytest.param("zero3", [], id="zero3"), pytest.param("zero3", OFFLOAD, marks=pytest.mark.slow, id="zero3-offload"),
+    pytest.param("zero3", ["dist.zero_init=false"], marks=pytest.mark.slow, id="zero3-built-whole"),
     pytest.param("zero1", [], marks=pytest.mark.slow, id="zero1"), pytest.param("zero2", [], marks=pytest.mark.slow, id="zero2")])
 # zero2 with offload_optimizer is left out: the estimate matched real gloo ranks to the byte in one run of three;
 # in the other two real rank 1's optimizer-phase peak was 77,312 B higher (cause not found)
@@ -56,6 +58,15 @@ def test_zero_estimate_equals_real_gloo_ranks_to_the_byte(point, stage, offload)
         apart = {k: (simulated[rank][k], v) for k, v in columns.items()
                  if not (simulated[rank][k] is v is None or abs(simulated[rank][k] - v) <= TOLERANCE)}
         assert not apart, (rank, apart)  # column: (estimate, real)
+        # The build's peak is equal but under zero.Init, where a real rank may be above by the piece of the
+        # head's own weight (made as nn.Linear's __init__ ends, dropped when nanoVLM ties the head to the
+        # embedding): on the fake group it dies there; real gloo ranks were above by 0, 32,768 and 33,280 B
+        # in three runs (who holds the piece, and the extra block: not found). Bounded by the piece and a block.
+        real_build, simulated_build = (next(r["build_peak_bytes"] for r in o["ranks"] if r["rank"] == rank)
+                                       for o in (cpu, estimate))
+        zero_init = stage == "zero3" and "dist.zero_init=false" not in offload
+        head_piece = -(-4 * math.ceil(TINY_HEAD / 2) // 512) * 512  # fp32, 2 ranks, a 512-byte block
+        assert 0 <= real_build - simulated_build <= (head_piece + 512 if zero_init else 0)
     if not offload:  # (offloaded, the state is host memory)
         assert estimate["optimizer_state_bytes"] > 0  # the update ran (an overflow read as set would skip it)
 
@@ -126,3 +137,65 @@ def test_zero3_optimizer_offload_moves_the_hand_counted_bytes_to_the_host(point,
     assert offloaded["after_step_host_bytes"] == part + 2 * pinned(part) + 2 * part + 1
     assert kept["after_step_host_bytes"] is None  # no offload: host memory is not told apart
     assert offloaded["optimizer_state_bytes"] == 0 and offloaded["params_bytes"] == kept["params_bytes"]
+
+
+@pytest.mark.slow  # one DeepSpeed simulation, ~30 s
+def test_zero3_offload_host_bytes_are_deepspeeds_buffers_itemised(point, compose, tmp_path):
+    # what a rank keeps on the host between steps, bf16 weights, the optimizer and the parameters offloaded,
+    # each buffer as DeepSpeed 0.19.8 makes it (runtime/zero/stage3.py); sub_group_size 1 makes every
+    # parameter's piece a sub group of its own, so the per-sub-group buffers are counted per parameter
+    pytest.importorskip("deepspeed")
+    import torch
+    from hydra.utils import instantiate
+
+    world = 2
+    user = {"bf16": {"enabled": "auto"}, "train_micro_batch_size_per_gpu": "auto",
+            "gradient_accumulation_steps": "auto",
+            "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"}, "offload_param": {"device": "cpu"},
+                                  "sub_group_size": 1, "reduce_bucket_size": 20000,
+                                  "stage3_prefetch_bucket_size": 20000, "stage3_param_persistence_threshold": 0,
+                                  "stage3_max_live_parameters": 40000}}
+    path = tmp_path / "zero3_offload.json"
+    path.write_text(json.dumps(user))
+    spec = instantiate(compose(["model=nanovlm_tiny"]).model, _convert_="all")
+    pieces = [math.ceil(p.numel() / world) for p in spec.build("meta", torch.bfloat16, init=False).parameters()]
+    p = sum(pieces)  # rank 0's partition, elements (every parameter padded to a multiple of the world size)
+    pinned = lambda n: 1 << (n - 1).bit_length()  # noqa: E731  torch's pinned host blocks: a power of two
+    hand = (pinned(2 * p)  # the bf16 partitions' flat buffer (_create_param_groups_fp16_flat_cpu_memory)
+            + pinned(2 * p)  # the gradient partitions' flat buffer: bf16, the model's dtype (grad_accum_dtype)
+            + sum(pinned(4 * n) for n in pieces)  # an fp32 gradient buffer per sub group (initialize_optimizer_states)
+            + 4 * p  # the fp32 master partition (_create_fp32_partitions, not pinned)
+            + 2 * 4 * p  # AdamW's two moments
+            + 1)  # the inf/nan flag (inf_or_nan_tracker, one bool)
+    rank0 = run_dist(point, [*TINY, "dist=zero3", "train.param_dtype=bfloat16", "train.autocast_dtype=null",
+                             f"dist.deepspeed_config={path}", "measure.backend=estimate"])["ranks"][0]
+    assert rank0["status"] == "ok", rank0.get("error")
+    # not among them: each parameter's own pinned piece (partition_parameters.py:_partition_param), freed when
+    # _move_to_flat_buffer points it into the flat buffer, made before it: both are in the peak
+    assert rank0["after_step_host_bytes"] == hand
+    assert rank0["peak_host_bytes"] >= sum(pinned(2 * n) for n in pieces) + pinned(2 * p)
+
+
+@pytest.mark.slow  # two DeepSpeed simulations, ~30 s
+def test_zero_init_builds_this_ranks_pieces_and_one_module_whole_at_a_time(point, compose):
+    # the build's peak, hand-counted from the meta model (512-byte blocks, bf16): built whole, a rank holds every
+    # parameter; under zero.Init only its pieces, and the module whose weights are being filled, gathered whole
+    pytest.importorskip("deepspeed")
+    import torch
+    from hydra.utils import instantiate
+
+    world = 8
+    block = lambda n: -(-n // 512) * 512  # noqa: E731
+    model = instantiate(compose(["model=qwen2_vl_tiny"]).model, _convert_="all").build("meta", torch.bfloat16, init=False)
+    whole = sum(block(2 * p.numel()) for p in model.parameters())
+    pieces = sum(block(2 * math.ceil(p.numel() / world)) for p in model.parameters())
+    buffers = sum(block(b.nbytes) for b in model.buffers())  # rotary tables: not partitioned
+    largest = max(sum(block(2 * p.numel()) for p in m.parameters(recurse=False)) for m in model.modules())
+    rows = {zero_init: run_dist(point, ["model=qwen2_vl_tiny", "train.param_dtype=bfloat16", "train.autocast_dtype=null",
+                                        "data.batch_size=1", "dist=zero3", f"dist.world_size={world}",
+                                        f"dist.zero_init={zero_init}", *SMALL, *STAGE3,
+                                        "measure.backend=estimate"])["ranks"][0]
+            for zero_init in ("true", "false")}
+    assert rows["false"]["build_peak_bytes"] == whole + buffers
+    assert rows["true"]["build_peak_bytes"] == pieces + buffers + largest
+    assert rows["true"]["after_load_bytes"] == rows["false"]["after_load_bytes"]  # partitioned alike once prepared

@@ -184,7 +184,7 @@ def write(tmp_path, name, text):
 
 @pytest.mark.parametrize("case", ["world 0", "not whole nodes", "none with 2 ranks", "missing json", "not json",
                                   "stage 5", "ddp offload", "fsdp2 optimizer offload", "find", "offload param zero2",
-                                  "unknown engine name", "engine name without its keys"])
+                                  "unknown engine name", "engine name without its keys", "zero_init not a bool"])
 def test_bad_dist_input_is_one_line_naming_the_value(plan_points, tmp_path, case):
     cases = {
         "world 0": (["dist=fsdp2", "dist.world_size=0"], "dist.world_size=0 is not allowed"),
@@ -200,6 +200,7 @@ def test_bad_dist_input_is_one_line_naming_the_value(plan_points, tmp_path, case
         "fsdp2 optimizer offload": (["dist=fsdp2", "dist.offload_optimizer=cpu"], "is not allowed with dist=fsdp2"),
         "find": (["dist=fsdp2", "+find=max_batch", "memory_budget=1GiB"], "dist=fsdp2 is not allowed with +find=max_batch"),
         "offload param zero2": (["dist=zero2", "dist.offload_param=cpu"], "at ZeRO stage 3 only"),
+        "zero_init not a bool": (["dist=zero3", "dist.zero_init=maybe"], "dist.zero_init='maybe' is not allowed: use true"),
     }
     overrides, message = cases[case]
     with pytest.raises(ConfigError, match=None) as raised:

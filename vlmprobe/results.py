@@ -32,6 +32,8 @@ OUTPUT_COLUMNS = [
     # cuBLAS workspaces + the context, what the card would show in use at the peak (cuda: nvml_process_bytes)
     "predicted_device_bytes",
     "after_load_bytes",
+    "build_peak_bytes",  # allocated at the most while the model was built (ZeRO-3 zero.Init: its pieces)
+    "load_peak_bytes",  # ... while it was built and prepared (sharded, wrapped): the whole load, the batch included
     "after_step_bytes",  # allocated after the last optimizer step: what a training loop carries between steps
     # offload to the CPU on estimate/cpu: host memory this rank holds (offloaded partitions, optimizer state, host
     # grads), outside every device figure; its peak over the point (load included), and after the last step

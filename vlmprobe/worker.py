@@ -74,18 +74,21 @@ def measure(point: dict) -> dict:
             contextlib.ExitStack() as host_memory:
         try:
             engine = engines.make(point, backend.device())  # single GPU, DDP or sharded
-            model = spec.build(engine.build_device, DTYPES[train["param_dtype"]], init=not engine.build_device_is_meta)
+            # offload off cuda: host buffers counted apart, from the build on (zero.Init partitions to the host)
+            host_memory.enter_context(engine.host_memory())
+            model = engine.build(spec, DTYPES[train["param_dtype"]])
+            out["build_peak_bytes"] = meter.peaks()["allocated"]  # the model's construction (and its weights' fill)
             quantization.quantize(model, train, backend.name)  # QLoRA's base, before its adapters
             apply_knobs(spec, model, train)
             model.train()
             grpo = point["step"]["name"] == "grpo"
             # the GRPO step makes its own prompt and prompt + completion batches as it goes
             batch = None if grpo else spec.batch(data, backend.device())
-            host_memory.enter_context(engine.host_memory())  # offload off cuda: host buffers counted apart
             engine.prepare(spec, model, instantiate(point["optimizer"], _convert_="all"))
             reference = grpo_reference(spec, point, engine) if grpo else None
             meter.sync()
             out["after_load_bytes"] = meter.current()
+            out["load_peak_bytes"] = meter.peaks()["allocated"]  # the build and prepare (the session's start on)
             out["params_bytes"] = engine.params_bytes()
             autocast = backend.autocast(DTYPES.get(train.get("autocast_dtype") or ""))
             if grpo:
@@ -125,7 +128,7 @@ def grpo_reference(spec, point: dict, engine):
     reference (LoRA: TRL disables the adapters)."""
     if not point["step"]["beta"] or point["train"]["lora_r"]:
         return None
-    model = spec.build(engine.build_device, DTYPES[point["train"]["param_dtype"]], init=not engine.build_device_is_meta)
+    model = engine.build(spec, DTYPES[point["train"]["param_dtype"]])
     return engine.prepare_reference(spec, model.requires_grad_(False).eval())
 
 

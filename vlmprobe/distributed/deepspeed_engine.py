@@ -119,9 +119,48 @@ def answer_trace_checks_locally_on_fake_groups() -> None:
 
 
 class DeepSpeedEngine(Engine):
-    """zero1 / zero2 / zero3: the model is built on the device as a whole and deepspeed.initialize partitions
-    it (deepspeed.zero.Init, which builds it partitioned, is not used: the window the figures cover opens
-    after load, so only the build's own transient differs)."""
+    """zero1 / zero2 / zero3: deepspeed.initialize partitions the model. At stage 3 with dist.zero_init (HF's
+    way) the model is built partitioned, under deepspeed.zero.Init; otherwise it is built on the device as a
+    whole."""
+
+    def build(self, spec, dtype):
+        """Under zero.Init as transformers builds a model when a ZeRO-3 config is active
+        (modeling_utils.py:get_init_context, is_deepspeed_zero3_enabled(): no_init_weights,
+        prevent_arange_dtype_change, zero.Init with the run's config): each module's parameters are cut into
+        this rank's pieces as its __init__ ends, so the rank never holds the whole model (the pieces go to
+        the host with offload_param). The weights are then filled module by module as from_pretrained loads
+        them under ZeRO-3 (integrations/deepspeed.py:_load_state_dict_into_zero3_model): a module's own
+        parameters gathered whole, written on rank 0, cut again; the largest module gathered is the build's
+        transient. The build is on the device: what it makes with no device named is device memory (the
+        host placement's default is the host, DeepSpeed's own buffers)."""
+        from vlmprobe.distributed.host_memory import placed
+
+        self.config = deepspeed_config(self.point, spec.text["hidden_size"])
+        with placed("device"):
+            if not self.zero_init:
+                return super().build(spec, dtype)
+            import deepspeed
+            import transformers.modeling_utils  # noqa: F401  imported under zero.Init's torch.Tensor.__new__, it fails
+            from transformers.integrations.deepspeed import prevent_arange_dtype_change
+
+            with prevent_arange_dtype_change(), deepspeed.zero.Init(config_dict_or_path=self.config):
+                model = spec.build(self.device, dtype, init=False)
+            rank = torch_dist.get_rank()
+            with torch.no_grad():
+                for module in model.modules():
+                    params = list(module.parameters(recurse=False))
+                    if params:
+                        with deepspeed.zero.GatheredParameters(params, modifier_rank=0):
+                            if rank == 0:  # weights do not change memory; filled so a real run computes numbers
+                                for p in params:
+                                    p.normal_(0.0, 0.02)
+            return model
+
+    @property
+    def zero_init(self) -> bool:
+        """Whether the model is built under deepspeed.zero.Init: at stage 3 (the user's JSON may name it under
+        any dist=zero*) unless dist.zero_init is false, as HF does whenever its DeepSpeed config is stage 3."""
+        return self.stage == 3 and self.dist.get("zero_init", True)
 
     def prepare(self, spec, model, optimizer_partial) -> None:
         from torch._subclasses.fake_tensor import FakeTensor

@@ -2,7 +2,7 @@
 drives an engine and never asks which one it is:
 
     engine = make(point["dist"], device)
-    model = spec.build(engine.build_device, dtype, init=not engine.materialises)   # knobs applied after
+    model = engine.build(spec, dtype)   # knobs applied after
     engine.prepare(spec, model, optimizer_partial)   # wrap / shard the model, make the optimizer
     engine.zero_grad(); loss = spec.loss(engine.model, batch); engine.backward(loss); engine.step()
     engine.params_bytes(), engine.grads_bytes(), engine.state_tensors()   # for the row
@@ -51,6 +51,11 @@ class Engine:
     @property
     def build_device(self) -> torch.device:
         return torch.device("meta") if self.build_device_is_meta else self.device
+
+    def build(self, spec, dtype: torch.dtype) -> nn.Module:
+        """The model with random weights, built where this engine builds it (on the meta device, for prepare()
+        to materialise, where build_device_is_meta)."""
+        return spec.build(self.build_device, dtype, init=not self.build_device_is_meta)
 
     @property
     def module(self) -> nn.Module:

@@ -11,7 +11,10 @@ CPU on CUDA too: the pinned fp16 flat buffer of stage3.py:_create_param_groups_f
 - the CPU accelerator's device name becomes `AcceleratorDevice("cpu")`, a str that is still "cpu" to torch
   and DeepSpeed but says "device" here; a torch.device object (a tensor's `.device`) says "device" too;
 - torch.empty / zeros / ones / full (DeepSpeed's factories) place what they make by their `device`: a plain
-  "cpu" string, or none, is the host;
+  "cpu" string, or none, is the host (none: the device while the model is built, under `placed("device")`).
+  deepspeed.zero.Init wraps the same factories while the model is built and puts back, when it ends, the
+  ones it kept when DeepSpeed was imported (partition_parameters.py: `_orig_torch_empty`, ...): those are
+  placed too, so its pieces made on `remote_device` "cpu" are the host and the placement outlives it;
 - `Tensor.to` / `.cpu()` across sides copy, as on CUDA (on the CPU they would alias): the copy of an
   offloaded partition to the device before its all-gather (partition_parameters.py: `ds_tensor.to(
   current_device_name())`), the host gradient buffer brought to the device to add a micro step's gradient
@@ -22,9 +25,10 @@ CPU on CUDA too: the pinned fp16 flat buffer of stage3.py:_create_param_groups_f
 Everything else is placed by the tracker: an op over host storages only runs on the host (the optimizer
 step over the fp32 partitions, its moments, the gradient norms of the host gradients), any other on the
 device (forward, backward, the gathered parameters, the reduce buckets).
-Host figures are plain bytes: pinned memory's rounding (torch's CachingHostAllocator rounds a pinned block
-up to a power of two) and DeepSpeedCPUAdam's in-place update (here torch's AdamW over the host partitions,
-with its temporaries) are not modelled.
+Host figures are the bytes of live host buffers, pinned ones rounded up to a power of two as torch's
+CachingHostAllocator rounds them; a freed pinned block that torch keeps cached for reuse is not counted (as a
+freed device block is not in `allocated`). DeepSpeedCPUAdam's in-place update is not modelled (here torch's
+AdamW over the host partitions, with its temporaries).
 """
 
 from __future__ import annotations
@@ -53,8 +57,8 @@ def placed(where: str | None):
 
 def side_of_device(device) -> str:
     """'device' or 'host': where a buffer made with this `device` argument lives on CUDA."""
-    if device is None:
-        return "host"  # torch's default device is the CPU
+    if device is None:  # torch's default device: the CPU, but the device where a caller placed it (the build)
+        return PLACEMENT.get() or "host"
     if isinstance(device, (AcceleratorDevice, torch.device)):
         return "device"
     # a str: "cpu", or DeepSpeed's OffloadDeviceEnum.cpu (a str enum: its value, not its str(), says "cpu")
@@ -83,6 +87,7 @@ def _to_target(args, kwargs):
 def host_placement():
     """While on: the tracker counts host buffers apart, placed as the module doc says."""
     from deepspeed.accelerator import get_accelerator
+    from deepspeed.runtime.zero import partition_parameters
 
     tracker = current_tracker()
     tracker.track_host()
@@ -118,15 +123,21 @@ def host_placement():
         """DeepSpeed's accelerator pins a copy of `tensor` (abstract_accelerator.py: tensor.pin_memory(), or a
         fresh pinned buffer of its shape with make_copy=False). torch's CachingHostAllocator gives a pinned
         block of the size rounded up to a power of two (ATen/core/CachingHostAllocator.h, allocate: at
-        the default pinned_max_round_threshold), so the copy is a view into a buffer of that size."""
+        the default pinned_max_round_threshold), so the copy lies in a buffer of that size. It is detached from
+        that buffer: a view's `_base` would keep the block alive after its tensor is pointed elsewhere, which
+        CUDA's pinned copy (no view) does not. DeepSpeed does that to every parameter's pinned partition under
+        offload_param (stage3.py:_move_to_flat_buffer, `src.data = dest.data` into the flat host buffer): on
+        CUDA the partition's block is freed there (and kept in torch's pinned-block cache)."""
         block = 1 << max(tensor.nbytes - 1, 0).bit_length()
         with placed("host"):
             buffer = torch.empty(block // tensor.element_size(), dtype=tensor.dtype)
-            return buffer[:tensor.numel()].view(tensor.shape).copy_(tensor)
+            return buffer[:tensor.numel()].view(tensor.shape).detach().copy_(tensor)
 
     accelerator = get_accelerator()
+    factories = {name: factory(getattr(torch, name)) for name in FACTORIES}
     patches = {(torch.Tensor, "to"): tensor_to, (torch.Tensor, "cpu"): tensor_cpu,
-               **{(torch, name): factory(getattr(torch, name)) for name in FACTORIES},
+               **{(torch, name): made for name, made in factories.items()},
+               **{(partition_parameters, f"_orig_torch_{name}"): made for name, made in factories.items()},
                (accelerator, "current_device_name"): lambda: AcceleratorDevice("cpu"),
                (accelerator, "device_name"): lambda device_index=None: AcceleratorDevice("cpu"),
                (accelerator, "pin_memory"): pin_memory,

@@ -58,6 +58,9 @@ def validate(dist: dict, backend: str, find, visible_gpus) -> None:
         if dist["offload_param"] != "none" and dist["stage"] != 3:
             raise ConfigError(f"dist.offload_param={dist['offload_param']} is not allowed with dist={name}: "
                               f"DeepSpeed offloads parameters at ZeRO stage 3 only")
+        if not isinstance(dist.get("zero_init", True), bool):
+            raise ConfigError(f"dist.zero_init={dist['zero_init']!r} is not allowed: use true (build under "
+                              f"deepspeed.zero.Init, as HF does at ZeRO-3) or false")
         if dist["deepspeed_config"] is not None:
             read_deepspeed_config(dist["deepspeed_config"])
     if backend == "cuda" and world > (gpus := visible_gpus()):
