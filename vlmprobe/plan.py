@@ -295,8 +295,8 @@ def validate_step(cfg: dict, data, spec):
         # TRL gathers the ZeRO-3 partitioned head around its kernel (maybe_gather_lm_head_ctx), in forward
         # and again in backward; vlmprobe's kernel does not
         raise ConfigError("step.logits=chunked is not allowed with dist=zero3: TRL's fused LM head gathers the "
-                          "partitioned head itself, which is not modelled; use step.logits=logits_to_keep (TRL 0.17, "
-                          "VLM-R1's path)")
+                          "partitioned head itself, which is not modelled; use step.logits=logits_to_keep (TRL 0.17) or "
+                          "full_sequence (VLM-R1's own trainer)")
     return settings
 
 
