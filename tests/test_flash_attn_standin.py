@@ -58,8 +58,8 @@ def test_batched_grouped_query_attention_allocates_what_mha_fwd_and_mha_bwd_do()
 def test_varlen_attention_keeps_unpadded_softmax_stats_and_pads_its_accumulator_by_128_rows_per_sequence():
     total, h, d, sequences = 300, 4, 80, 3
     cu_seqlens = torch.tensor([0, 100, 250, 300], dtype=torch.int32)
-    call = functools.partial(lambda q, k, v: flash_attn_varlen_func(q, k, v, cu_seqlens, cu_seqlens, 150, 150))
-    saved, peak = live_and_backward_peak(leaves((total, h, d), (total, h, d), (total, h, d)), call)
+    saved, peak = live_and_backward_peak(leaves((total, h, d), (total, h, d), (total, h, d)),
+                                         lambda q, k, v: flash_attn_varlen_func(q, k, v, cu_seqlens, cu_seqlens, 150, 150))
     # mha_varlen_fwd: softmax_lse is (h, total_q)
     assert saved == blocks(total * h * d * BF16, h * total * FP32, 2 * I64)
     # mha_varlen_bwd: softmax_d (h, total + 128 b), dq_accum (total + 128 b, h, round_multiple(80, 32) = 96)

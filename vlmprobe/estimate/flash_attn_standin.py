@@ -51,8 +51,9 @@ def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, deterministic: boo
     if q.shape[-1] > 256:
         raise RuntimeError("FlashAttention forward only supports head dimension at most 256")
     if deterministic:
-        raise NotImplementedError("flash_attention_2 with deterministic=True (FLASH_ATTENTION_DETERMINISTIC=1) is not "
-                                  "modelled by the estimate: its dq accumulator has one split per SM")
+        # refused like the kernel's own checks: its dq accumulator has one split per SM, a count no profile gives
+        raise RuntimeError("flash_attention_2 with deterministic=True (FLASH_ATTENTION_DETERMINISTIC=1) is not "
+                           "modelled by the estimate: its dq accumulator has one split per SM")
 
 
 def _pad_head(x: torch.Tensor, head_size: int) -> torch.Tensor:
