@@ -166,7 +166,6 @@ class DeepSpeedEngine(Engine):
         from torch._subclasses.fake_tensor import FakeTensor
 
         answer_trace_checks_locally_on_fake_groups()
-        self.config = deepspeed_config(self.point, spec.text["hidden_size"])
         params = [p for p in model.parameters() if p.requires_grad]
         client = None if "optimizer" in self.config else make_optimizer(optimizer_partial, params)[0]
         self.fake = any(isinstance(p, FakeTensor) for p in params)
