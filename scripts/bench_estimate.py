@@ -28,11 +28,11 @@ CASES = [
     ("qwen2_vl_7b bf16 b1 L2048 448px", ["model=qwen2_vl_7b", "train.param_dtype=bfloat16", "train.autocast_dtype=null",
                                          "data.batch_size=1", "data.lm_max_length=2048", "data.image_size=448"],
      {"step_time_s": 5.0, "rss_gib": 1.0}),
-    ("seq_len sweep (8 points)", ["+sweep=seq_len"], {"wall_s": 60.0}),
+    ("seq_len sweep (8 points), launcher=local", ["+sweep=seq_len", "launcher=local"], {"wall_s": 60.0}),
     # the same points, several at once (the target for the sweep: 12 s on a 2-core machine)
     ("seq_len sweep (8 points), launcher=pool", ["+sweep=seq_len", "launcher=pool"], {"wall_s": 12.0}),
     # the launcher issue's targets: a usual 100-point question in at most 2.5 minutes, under either launcher
-    ("grid100 (100 points)", ["+sweep=grid100"], {"wall_s": 150.0}),
+    ("grid100 (100 points), launcher=local", ["+sweep=grid100", "launcher=local"], {"wall_s": 150.0}),
     ("grid100 (100 points), launcher=pool", ["+sweep=grid100", "launcher=pool"], {"wall_s": 150.0}),
     ("qwen2_vl_7b fsdp2 world 8 (one rank simulated)",
      ["model=qwen2_vl_7b", "dist=fsdp2_bf16", "dist.world_size=8", "data.batch_size=1", "data.lm_max_length=2048",
@@ -80,7 +80,7 @@ def main() -> None:
     print(pd.DataFrame(rows).to_markdown(index=False))
     walls = {row["case"]: row["wall_s"] for row in rows}
     for sweep in ("seq_len sweep (8 points)", "grid100 (100 points)"):
-        local, pool = walls.get(sweep), walls.get(f"{sweep}, launcher=pool")
+        local, pool = walls.get(f"{sweep}, launcher=local"), walls.get(f"{sweep}, launcher=pool")
         if local and pool:
             print(f"\n{sweep} wall time, local / pool: {local / pool:.2f} "
                   f"(pool: {len(os.sched_getaffinity(0))} jobs, launcher.jobs=null)")

@@ -104,7 +104,8 @@ BAD_INPUT = {
     "pool of no jobs": (["launcher=pool", "launcher.jobs=0"], "launcher.jobs=0 is not allowed: give an integer >= 1"),
     "pool of negative jobs": (["launcher=pool", "launcher.jobs=-1"], "launcher.jobs=-1 is not allowed: give an integer >= 1"),
     "pool jobs not a number": (["launcher=pool", "launcher.jobs=x"], "launcher.jobs='x' is not allowed: give an integer >= 1"),
-    "unknown launcher": (["launcher=slurm"], "launcher='slurm' is not allowed: use one of local, pool, submitit"),
+    "auto of no jobs": (["launcher=auto", "launcher.jobs=0"], "launcher.jobs=0 is not allowed: give an integer >= 1"),
+    "unknown launcher": (["launcher=slurm"], "launcher='slurm' is not allowed: use one of auto, local, pool, submitit"),
     "submitit off a SLURM cluster": (["launcher=submitit"], 'launcher.cluster=slurm is not allowed here: submitit says: '
                                                           'Could not detect "srun"'),
     "a parameter submitit rejects": (["launcher=submitit", "launcher.cluster=local", "+launcher.parameters.slurm_partitio=gpu"],
@@ -115,8 +116,6 @@ BAD_INPUT = {
                                     "launcher.cluster='slurmm' is not allowed: use slurm"),
     "no points per job": (["launcher=submitit", "launcher.cluster=local", "launcher.points_per_job=0"],
                           "launcher.points_per_job=0 is not allowed: give an integer >= 1"),
-    "pool of points that are not isolated": (["model=nanovlm_tiny", "launcher=pool", "measure.isolate=false"],
-                                             "launcher=pool is not allowed with measure.isolate=false"),
     "pool on cuda without a GPU": (["launcher=pool", "measure.backend=cuda"],
                                    "measure.backend=cuda is not allowed here: no CUDA GPU is visible"),
     "GRPO with one generation": (GRPO + ["step.num_generations=1"],

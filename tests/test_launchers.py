@@ -141,6 +141,26 @@ def test_pool_jobs_default_to_the_usable_cores_or_one_per_visible_gpu(monkeypatc
         launchers.check({"name": "pool", "jobs": None}, "cuda")
 
 
+def test_auto_pools_points_where_more_than_one_can_run_at_once_else_runs_them_locally(monkeypatch):
+    from vlmprobe.backends import cuda
+
+    auto = {"name": "auto", "jobs": None}
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
+    assert launchers.resolve(auto, "estimate", 8)["name"] == "pool"
+    assert launchers.resolve(auto, "cpu", 1)["name"] == "local"  # one point: no worker to start
+    assert launchers.resolve({**auto, "jobs": 1}, "estimate", 8)["name"] == "local"
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0})
+    assert launchers.resolve(auto, "estimate", 8)["name"] == "local"
+    assert launchers.resolve({**auto, "jobs": 2}, "estimate", 8) == {"name": "pool", "jobs": 2}  # as asked
+    monkeypatch.setattr(cuda, "device_count", lambda: 1)
+    assert launchers.resolve(auto, "cuda", 8)["name"] == "local"  # one GPU: one point at a time
+    monkeypatch.setattr(cuda, "device_count", lambda: 4)
+    assert launchers.resolve(auto, "cuda", 8) == {"name": "pool", "jobs": None}
+    assert launchers.resolve({"name": "local"}, "estimate", 8) == {"name": "local"}
+    with pytest.raises(ConfigError, match=r"^launcher.jobs=0 is not allowed: give an integer >= 1"):
+        launchers.check({**auto, "jobs": 0}, "estimate")
+
+
 def test_pool_on_cuda_pins_each_running_worker_to_a_gpu_no_other_worker_holds(monkeypatch):
     from types import SimpleNamespace
 
@@ -160,7 +180,8 @@ def test_pool_on_cuda_pins_each_running_worker_to_a_gpu_no_other_worker_holds(mo
         return {"status": "ok"}
 
     monkeypatch.setattr(sweep, "call_worker", call_worker)
-    items = [SimpleNamespace(config={"measure": {"timeout_s": 10, "alloc_conf": None}}, point=SimpleNamespace(id=str(i)))
+    measure = {"timeout_s": 10, "alloc_conf": None, "backend": "cuda", "isolate": "auto"}  # a fresh worker per point
+    items = [SimpleNamespace(config={"measure": measure}, point=SimpleNamespace(id=str(i)))
              for i in range(8)]
     recorded = []
     runner = SimpleNamespace(with_snapshot_file=lambda item: item.config,

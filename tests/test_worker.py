@@ -5,7 +5,8 @@ import os
 import pytest
 
 from conftest import TESTS
-from vlmprobe.sweep import run_point
+from vlmprobe import child
+from vlmprobe.sweep import ServingWorker, run_point, worker_env
 from vlmprobe.worker import measure
 
 TINY = ["model=nanovlm_tiny", "data.lm_max_length=32", "measure.backend=cpu"]
@@ -24,6 +25,31 @@ def test_isolated_worker_returns_the_same_row_as_an_in_process_run(point):
     assert isolated["status"] == "ok"
     figures = [k for k in in_process if k.endswith("_bytes")]
     assert {k: isolated[k] for k in figures} == {k: in_process[k] for k in figures}
+
+
+def test_a_serving_worker_measures_points_one_after_another_and_fails_each_as_a_fresh_worker_would(point, faulty_env):
+    # launcher=pool's long-lived worker: the same row as in-process for each point, whatever came before it;
+    # a point that raises is an error row and the worker goes on; one that kills it or outlives its timeout is
+    # the crash / timeout row of a fresh worker, and that worker is done
+    ok = point(TINY)
+    expected = measure(ok)
+    figures = [k for k in expected if k.endswith("_bytes")]
+    children = child.Children()
+    worker = ServingWorker(worker_env(ok), children)
+    first = worker.call(ok, 300)
+    raised = worker.call(point(TINY + ["model._target_=faulty_models.RaisingSpec"]), 300)
+    again = worker.call(ok, 300)
+    assert {k: first[k] for k in figures} == {k: again[k] for k in figures} == {k: expected[k] for k in figures}
+    assert raised["status"] == "error" and "RuntimeError: broken on purpose" in raised["error"]
+    assert worker.alive()
+    crashed = worker.call(point(TINY + ["model._target_=faulty_models.CrashingSpec"]), 300)
+    assert crashed["status"] == "crash" and "killed by signal 11" in crashed["error"]
+    assert "about to crash" in crashed["error"] and not worker.alive()
+
+    worker = ServingWorker(worker_env(ok), children)
+    hung = worker.call(point(TINY + ["model._target_=faulty_models.HangingSpec"]), 20)
+    assert hung["status"] == "timeout" and hung["error"].startswith("no result after 20 s") and not worker.alive()
+    assert not children._running
 
 
 def test_out_of_memory_in_a_worker_is_a_row_with_the_peak_before_it_and_the_request(point, tmp_path):

@@ -49,7 +49,6 @@ def run(cfg, overrides: list[str], compose, state: dict) -> int:
     check_size(compose, overrides, base, len(grid_points(overrides, base)))
     search = MaxBatchSearch(compose, overrides, base) if base["find"] else None
     planned = search.planned if search else plan(compose, overrides, base)
-    launchers.check_points(base["launcher"], [p.config for p in planned])
     if note:
         say(note)
     what = f"{len(planned)} configurations to bisect" if search else f"{len(planned)} points"

@@ -47,10 +47,7 @@ def run(command: list[str], stdin: str | None, env: dict | None, timeout: float 
         children: Children | None = None) -> tuple[int | None, str, str]:
     """(exit code, stdout, stderr) of `command`; the exit code is None when it outlived `timeout` seconds
     (it is then killed with its whole group). With `children`, the child is registered there while it runs."""
-    proc = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env=env, start_new_session=True)
-    if children is not None:
-        children.add(proc)
+    proc = start(command, env, children)
     try:
         stdout, stderr = proc.communicate(stdin, timeout=timeout)
         return proc.returncode, stdout, stderr
@@ -65,6 +62,16 @@ def run(command: list[str], stdin: str | None, env: dict | None, timeout: float 
     finally:
         if children is not None:
             children.discard(proc)
+
+
+def start(command: list[str], env: dict | None, children: Children | None = None) -> subprocess.Popen:
+    """`command` with pipes for stdin, stdout and stderr (text), in a session of its own; registered in
+    `children` when given (the caller discards it there once it has ended)."""
+    proc = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=env, start_new_session=True)
+    if children is not None:
+        children.add(proc)
+    return proc
 
 
 def kill_group(proc: subprocess.Popen) -> None:

@@ -2,13 +2,18 @@
 appends each row as its point finishes (vlmprobe.sweep.Runner), so resume, failed points and Ctrl-C mean
 the same thing under every one; only the order of the rows differs.
 
+- auto: pool where it runs points at once, local where it cannot (see `resolve`).
 - local: one point after another, in this process or in a worker as measure.isolate says (vlmprobe.sweep).
-- pool: up to launcher.jobs points at once, each in a fresh `python -m vlmprobe.worker` (the protocol, the
-  timeout and the failed rows of vlmprobe.sweep.call_worker). The threads here only wait on their worker;
-  rows are written by the main thread alone, which is also the only one a Ctrl-C reaches: it then kills
-  every running worker's process group and writes no row after it. On cuda each worker is pinned to a GPU
-  of its own (CUDA_VISIBLE_DEVICES): two workers on one GPU would read each other's allocations into their
-  peaks.
+- pool: up to launcher.jobs points at once, in worker processes. A point that needs a fresh process
+  (vlmprobe.sweep.isolated: cuda, or measure.isolate=true) gets one of its own (vlmprobe.sweep.call_worker);
+  the others (estimate, cpu) are measured one after another by one long-lived worker per pool thread
+  (vlmprobe.sweep.ServingWorker), as local measures them one after another in the sweep process: the
+  start-up (importing torch and transformers, several seconds) is paid once per worker, not per point.
+  Timeouts and failed rows are the same either way. The threads here only wait on their worker; rows are
+  written by the main thread alone, which is also the only one a Ctrl-C reaches: it then kills every
+  worker's process group and writes no row after it. On cuda each pool thread holds a GPU of its own and
+  pins its workers to it (CUDA_VISIBLE_DEVICES): two workers on one GPU would read each other's
+  allocations into their peaks.
   A distributed point (dist != none) runs its ranks' simulations (or, on cuda, torchrun over the visible
   GPUs) itself, so under pool it runs as under local: in this process, one at a time, once the pool's
   points are done.
@@ -25,13 +30,15 @@ import concurrent.futures
 import json
 import os
 import queue
+import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
 from vlmprobe.errors import ConfigError
 
-NAMES = ("local", "pool", "submitit")
+NAMES = ("auto", "local", "pool", "submitit")
 POLL_S = 0.5  # how often the main thread wakes while waiting on the pool (a Ctrl-C is handled at once anyway)
 
 
@@ -64,15 +71,22 @@ def check(launcher: dict, backend: str) -> None:
         raise ConfigError(f"launcher.name={name!r} is not allowed: use one of {', '.join(NAMES)}")
     if name == "pool":
         check_pool(launcher, backend)
+    elif name == "auto":
+        check_jobs(launcher)
     elif name == "submitit":
         check_submitit(launcher)
 
 
-def check_pool(launcher: dict, backend: str) -> None:
+def check_jobs(launcher: dict) -> None:
     count = launcher.get("jobs")
     if count is not None and (not isinstance(count, int) or isinstance(count, bool) or count < 1):
         raise ConfigError(f"launcher.jobs={count!r} is not allowed: give an integer >= 1 (points run at once), or "
                           f"null for the number of usable cores ({usable_cores()} here) or, on cuda, of GPUs")
+
+
+def check_pool(launcher: dict, backend: str) -> None:
+    check_jobs(launcher)
+    count = launcher.get("jobs")
     if backend == "cuda":
         gpus = visible_gpus()
         if not gpus:
@@ -83,23 +97,36 @@ def check_pool(launcher: dict, backend: str) -> None:
                               f"or null")
 
 
-def check_points(launcher: dict, configs: list[dict]) -> None:
-    """Refuse a launcher that cannot run these planned points (their composed configs)."""
-    if launcher["name"] == "pool" and any(c["measure"]["isolate"] is False for c in configs):
-        raise ConfigError("launcher=pool is not allowed with measure.isolate=false: pool runs every point in a "
-                          "worker process of its own; use launcher=local")
+def resolve(launcher: dict, backend: str, points: int) -> dict:
+    """What launcher=auto runs `points` points of `backend` with (any other launcher: itself): pool where
+    more than one can run at once (estimate, cpu: at least 2 usable cores; cuda: at least 2 visible GPUs) and
+    there are at least 2 to run, else local. Pool's workers are long-lived for estimate and cpu
+    (vlmprobe.sweep.ServingWorker), so their start-up is paid once per core, not per point."""
+    if launcher["name"] != "auto":
+        return launcher
+    slots = jobs(launcher, backend)
+    if backend == "cuda":
+        slots = min(slots, len(visible_gpus()))
+    return {**launcher, "name": "pool"} if min(slots, points) >= 2 else {**launcher, "name": "local"}
 
 
 def run_points(todo: list, runner, launcher: dict, bar) -> None:
     """Run the planned points `todo` (none of them with a row yet) through `runner`, updating `bar` as each
     finishes."""
+    from tqdm import tqdm
+
+    poolable = [item for item in todo if not item.skip and item.config["dist"]["name"] == "none"]
+    backend = poolable[0].config["measure"]["backend"] if poolable else "estimate"
+    if launcher["name"] == "auto":
+        launcher = resolve(launcher, backend, len(poolable))
+        how = f"pool of {min(jobs(launcher, backend), len(poolable))} workers" if launcher["name"] == "pool" else "local"
+        tqdm.write(f"vlmprobe: launcher=auto runs the points with launcher={how} (backend {backend}, "
+                  f"{usable_cores()} usable cores)", file=sys.stderr)
     if launcher["name"] == "submitit":
         _run_submitit([item for item in todo if not item.skip], runner, launcher, bar)
     elif launcher["name"] == "pool":
-        in_pool = [item for item in todo if not item.skip and item.config["dist"]["name"] == "none"]
-        backend = in_pool[0].config["measure"]["backend"] if in_pool else "estimate"
         gpus = visible_gpus() if backend == "cuda" else None
-        _run_pool(in_pool, runner, jobs(launcher, backend), bar, gpus)
+        _run_pool(poolable, runner, jobs(launcher, backend), bar, gpus)
     todo = [item for item in todo if item.point.id not in runner.done]  # skipped (and, under pool, distributed)
     for item in todo:
         bar.set_postfix_str(item.point.id)
@@ -109,7 +136,7 @@ def run_points(todo: list, runner, launcher: dict, bar) -> None:
 
 def _run_pool(todo: list, runner, workers: int, bar, gpus: list[str] | None) -> None:
     from vlmprobe import child, interrupt
-    from vlmprobe.sweep import call_worker, worker_env
+    from vlmprobe.sweep import ServingWorker, call_worker, isolated, worker_env
 
     if not todo:
         return
@@ -119,17 +146,34 @@ def _run_pool(todo: list, runner, workers: int, bar, gpus: list[str] | None) -> 
         free_gpus = queue.Queue()
         for gpu in gpus[:workers]:
             free_gpus.put(gpu)
+    mine = threading.local()  # each pool thread's GPU (it keeps it: there are no more threads than GPUs) and worker
+    serving: list = []  # every ServingWorker started, to end at the close
+
+    def env_of(config: dict) -> dict:
+        env = worker_env(config)
+        if free_gpus is None:
+            return env
+        if not hasattr(mine, "gpu"):
+            mine.gpu = free_gpus.get_nowait()
+        return {**env, "CUDA_VISIBLE_DEVICES": mine.gpu}
+
+    def serving_worker(env: dict):
+        """This thread's worker, started anew when it has ended or the point needs another environment (its
+        allocator settings)."""
+        current = getattr(mine, "worker", None)
+        if current is None or current.env != env or not current.alive():
+            if current is not None:
+                current.close()
+            mine.worker = current = ServingWorker(env, children)
+            serving.append(current)
+        return current
 
     def run_one(item) -> dict:
         config = runner.with_snapshot_file(item)
-        env = worker_env(config)
-        if free_gpus is None:
-            return call_worker(config, env, config["measure"]["timeout_s"], children)
-        gpu = free_gpus.get()  # as many threads as GPUs: one is always free here
-        try:
-            return call_worker(config, {**env, "CUDA_VISIBLE_DEVICES": gpu}, config["measure"]["timeout_s"], children)
-        finally:
-            free_gpus.put(gpu)
+        env, timeout = env_of(config), config["measure"]["timeout_s"]
+        if isolated(config):  # cuda, or measure.isolate=true: a fresh process for this point alone
+            return call_worker(config, env, timeout, children)
+        return serving_worker(env).call(config, timeout)
 
     pool = concurrent.futures.ThreadPoolExecutor(max_workers=min(workers, len(todo)),
                                                  thread_name_prefix="vlmprobe-pool")
@@ -147,11 +191,13 @@ def _run_pool(todo: list, runner, workers: int, bar, gpus: list[str] | None) -> 
                 bar.update(1)
     except BaseException:
         # Ctrl-C (or a failure here): the workers are in sessions of their own, out of the terminal's reach,
-        # and would run on; end them, then wait for the threads (their communicate() returns once killed)
+        # and would run on; end them, then wait for the threads (a call returns once its worker is killed)
         children.kill()
         pool.shutdown(wait=True, cancel_futures=True)
         raise
     pool.shutdown(wait=True)
+    for worker in serving:
+        worker.close()
 
 
 def executor(launcher: dict, folder: Path):

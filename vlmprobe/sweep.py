@@ -9,11 +9,14 @@ under launcher=pool, as soon as its point finishes: vlmprobe.launchers).
 
 from __future__ import annotations
 
+import collections
+import contextlib
 import hashlib
 import json
 import os
+import queue
 import sys
-import traceback
+import threading
 from pathlib import Path
 
 from tqdm import tqdm
@@ -21,10 +24,7 @@ from tqdm import tqdm
 from vlmprobe import backends, child, interrupt
 from vlmprobe.distributed.ranks import RankWriter, measure_point
 from vlmprobe.results import RowWriter, mib, read_table
-from vlmprobe.worker import RAISED, ROW_PREFIX, measure
-
-TAIL = 2000  # characters of stderr kept in a failed row
-
+from vlmprobe.worker import RAISED, ROW_PREFIX, TAIL, error_row, measure
 
 def isolated(config: dict) -> bool:
     choice = config["measure"]["isolate"]
@@ -53,16 +53,90 @@ def call_worker(request: dict, env: dict, timeout: float | None, children: child
     if code is None:
         return {"status": "timeout", "error": f"no result after {timeout} s; stderr tail: {stderr[-TAIL:]}"}
     lines = [line for line in stdout.splitlines() if line.startswith(ROW_PREFIX)]
-    how = f"killed by signal {-code}" if code < 0 else f"exit code {code}"
     if lines:
         row = json.loads(lines[-1][len(ROW_PREFIX):])
         if code != 0:  # died after its row was out (e.g. CUDA teardown at exit): the figures stand
-            exit_note = f"worker {how} after printing its row; stderr tail: {stderr.strip()[-TAIL:]}"
+            exit_note = f"worker {_how(code)} after printing its row; stderr tail: {stderr.strip()[-TAIL:]}"
             row["notes"] = "; ".join(n for n in (row.get("notes"), exit_note) if n)
         return row
+    return _died(code, stderr)
+
+
+def _how(code: int) -> str:
+    return f"killed by signal {-code}" if code < 0 else f"exit code {code}"
+
+
+def _died(code: int, stderr: str) -> dict:
+    """The row of a point whose worker ended with `code` before printing its result."""
     if code == RAISED:
         return {"status": "error", "error": stderr.strip()[-TAIL:]}
-    return {"status": "crash", "error": f"worker {how}; stderr tail: {stderr.strip()[-TAIL:]}"}
+    return {"status": "crash", "error": f"worker {_how(code)}; stderr tail: {stderr.strip()[-TAIL:]}"}
+
+
+class ServingWorker:
+    """A `python -m vlmprobe.worker --serve` that measures the points it is given one after another (launcher=pool,
+    for points that need no fresh process): the start-up, importing torch and transformers, is paid once per
+    worker instead of once per point. A point that outlives its timeout, or whose worker dies under it, is the
+    same failed row as under call_worker; that worker is then done with (alive() is false)."""
+
+    STDERR_LINES = 400  # lines of stderr kept, for a failed row's tail
+
+    def __init__(self, env: dict, children: child.Children):
+        self.env = env
+        self._children = children
+        self._proc = child.start([sys.executable, "-m", "vlmprobe.worker", "--serve"], env, children)
+        self._rows: queue.Queue = queue.Queue()  # result lines as they come, then None when stdout ends
+        self._stderr: collections.deque = collections.deque(maxlen=self.STDERR_LINES)  # (line number, line)
+        self._stderr_count = 0
+        threading.Thread(target=self._read_stdout, daemon=True).start()
+        threading.Thread(target=self._read_stderr, daemon=True).start()
+
+    def _read_stdout(self) -> None:
+        for line in self._proc.stdout:
+            if line.startswith(ROW_PREFIX):
+                self._rows.put(line)
+        self._rows.put(None)
+
+    def _read_stderr(self) -> None:  # read as it comes: a full pipe would block the worker
+        for line in self._proc.stderr:
+            self._stderr_count += 1
+            self._stderr.append((self._stderr_count, line))
+
+    def alive(self) -> bool:
+        return self._proc.poll() is None
+
+    def call(self, request: dict, timeout: float | None) -> dict:
+        """The outputs of one point, or its failed row."""
+        mark = self._stderr_count
+        try:
+            self._proc.stdin.write(json.dumps(request) + "\n")
+            self._proc.stdin.flush()
+        except OSError:  # it has died: the end of its stdout says so below
+            pass
+        try:
+            line = self._rows.get(timeout=timeout)
+        except queue.Empty:
+            self.close(kill=True)
+            return {"status": "timeout", "error": f"no result after {timeout} s; stderr tail: {self._tail(mark)}"}
+        if line is None:
+            code = self._proc.wait()
+            self._children.discard(self._proc)
+            return _died(code, self._tail(mark))
+        return json.loads(line[len(ROW_PREFIX):])
+
+    def _tail(self, mark: int) -> str:
+        """What the worker wrote to stderr since line `mark`, as far as it is kept."""
+        return "".join(line for number, line in list(self._stderr) if number > mark).strip()[-TAIL:]
+
+    def close(self, kill: bool = False) -> None:
+        """End the worker: at the end of its input (it finishes the line it is on), or killed with its group."""
+        if kill:
+            child.kill_group(self._proc)
+        else:
+            with contextlib.suppress(OSError):
+                self._proc.stdin.close()
+        self._proc.wait()
+        self._children.discard(self._proc)
 
 
 def run_point(config: dict) -> dict:
@@ -74,8 +148,7 @@ def run_point(config: dict) -> dict:
     try:
         return measure_point(config, measure, worker_env(config)) if distributed else measure(config)
     except Exception as exc:
-        tail = "".join(traceback.format_exception_only(exc)).strip()
-        return {"status": "error", "error": f"{tail}\n{traceback.format_exc()[-TAIL:]}"}
+        return error_row(exc)
 
 
 def describe_backend(name: str, config: dict) -> dict:

@@ -24,6 +24,7 @@ from vlmprobe.steps.common import StepReport
 from vlmprobe.steps.sft import train_steps
 
 ROW_PREFIX = "VLMPROBE_ROW "
+TAIL = 2000  # characters of a traceback or of stderr kept in a failed row
 PHASES = ("generate", "reference", "forward", "backward", "optimizer")  # every step's phases, as row columns
 RAISED = 3  # exit code when the measurement raised: the sweep records status `error` with the traceback
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -151,19 +152,45 @@ def _report_columns(report: StepReport) -> dict:
     }
 
 
+def error_row(exc: Exception) -> dict:
+    """The row of a point whose measurement raised `exc` (being handled): its last line, then the traceback."""
+    tail = "".join(traceback.format_exception_only(exc)).strip()
+    return {"status": "error", "error": f"{tail}\n{traceback.format_exc()[-TAIL:]}"}
+
+
 def describe(backend_name: str) -> dict:
     return backends.get(backend_name).describe()
 
 
+def serve() -> None:
+    """`python -m vlmprobe.worker --serve`: one point per stdin line, measured one after another in this process,
+    each result printed as soon as it is known (launcher=pool, for points that need no fresh process: torch,
+    transformers and the backend are imported once per worker, not once per point). A point that raises is an
+    `error` row, as when the sweep process measures it (vlmprobe.sweep.run_point), and the next line is read."""
+    for line in sys.stdin:
+        try:
+            result = measure(json.loads(line))
+        except Exception as exc:
+            result = error_row(exc)
+        _print_row(result)
+
+
+def _print_row(result: dict) -> None:
+    # on a line of its own, whatever a library printed before it without a newline
+    sys.stdout.write("\n" + ROW_PREFIX + json.dumps(result) + "\n")
+    sys.stdout.flush()
+
+
 def main() -> None:
+    if sys.argv[1:] == ["--serve"]:
+        serve()
+        return
     if len(sys.argv) > 1:  # one rank of a distributed point: torchrun started it with the request's path
         from vlmprobe.distributed.launcher import run_rank
 
         sys.exit(run_rank(Path(sys.argv[1]), measure))
     request = json.loads(sys.stdin.read())
-    result = describe(request["describe"]) if "describe" in request else measure(request)
-    sys.stdout.write("\n" + ROW_PREFIX + json.dumps(result) + "\n")
-    sys.stdout.flush()
+    _print_row(describe(request["describe"]) if "describe" in request else measure(request))
 
 
 if __name__ == "__main__":

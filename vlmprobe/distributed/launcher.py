@@ -19,12 +19,13 @@ from pathlib import Path
 from vlmprobe import child
 
 OOM_EXIT = 75  # a rank's exit code after it wrote an `oom` row
-TAIL = 2000  # characters of stderr kept for a failed point
 
 
 def launch(config: dict, env: dict, timeout: float | None) -> tuple[dict[int, dict], dict | None]:
     """Run the point as one job of dist.world_size ranks; (rank -> row for the ranks that wrote one, the
     job's failure or None)."""
+    from vlmprobe.worker import TAIL
+
     world = config["dist"]["world_size"]
     with tempfile.TemporaryDirectory(prefix="vlmprobe-ranks-") as tmp:
         request = Path(tmp) / "point.json"

@@ -11,7 +11,6 @@ is the same synthetic batch on every rank. DeepSpeed ZeRO-3 cuts every parameter
 
 from __future__ import annotations
 
-import traceback
 from pathlib import Path
 
 from vlmprobe.results import OUTPUT_COLUMNS, RowWriter
@@ -19,7 +18,6 @@ from vlmprobe.results import OUTPUT_COLUMNS, RowWriter
 RANK_VALUE_COLUMNS = [c for c in OUTPUT_COLUMNS if c not in ("backend", "status", "error", "snapshot_file", "max_rank",
                                                              "min_rank_peak_allocated_bytes", "rank_imbalance")]
 RANK_COLUMNS = ["point_id", "rank", "simulated_as", "backend", "status", *RANK_VALUE_COLUMNS, "error"]
-TAIL = 2000  # characters of a failure kept in a row
 
 
 def shard_signature(shapes: list[tuple[int, ...]], rank: int, world_size: int) -> tuple:
@@ -81,13 +79,13 @@ def simulate(config: dict, measure) -> dict[int, dict]:
 def simulate_rank(config: dict, rank: int, measure) -> dict:
     """Rank `rank`'s row, simulated in this process on a fake group; a failure is an `error` row."""
     from vlmprobe.distributed.process_group import fake_group
+    from vlmprobe.worker import error_row
 
     try:
         with fake_group(rank, config["dist"]["world_size"], "cpu", config["dist"]["ranks_per_node"]):  # fake tensors are CPU
             return measure(config)
     except Exception as exc:
-        tail = "".join(traceback.format_exception_only(exc)).strip()
-        return {"status": "error", "error": f"{tail}\n{traceback.format_exc()[-TAIL:]}"}
+        return error_row(exc)
 
 
 def simulate_elsewhere(config: dict, rank: int) -> dict:
@@ -96,6 +94,7 @@ def simulate_elsewhere(config: dict, rank: int) -> dict:
     import sys
 
     from vlmprobe import child
+    from vlmprobe.worker import TAIL
 
     timeout = config["measure"]["timeout_s"]
     command = [sys.executable, "-m", "vlmprobe.distributed.ranks", str(rank)]

@@ -31,6 +31,10 @@ Modelling decisions (each one is what CUDA would do, applied on fake CPU tensors
   flash_attention_2 runs transformers' flash path with flash-attn 2's tensors (vlmprobe.estimate.flash_attn_standin).
 - Masks: the models pass no attention mask for unpadded batches, so transformers materialises none (it
   would for fake tensors, taking them for tracing).
+- Garbage collection: Python's cyclic collector is off during a point (vlmprobe.estimate.tracked), so a tensor
+  held only by a reference cycle lives to the point's end: the step in which no collection falls, the higher
+  case (the cpu backend likewise); with it on, the figures moved with how many Python objects happened to be
+  made before a step.
 
 Not modelled (the error budget against a CUDA measurement): the CUDA context and NVML-only memory, cuBLAS /
 cuBLASLt workspaces (CUDA counts them in memory_allocated: 2 x 8,519,680 B on sm86; the estimate adds them to

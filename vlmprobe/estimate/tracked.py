@@ -20,6 +20,25 @@ from vlmprobe.estimate.flash_attn_standin import flash_attention_standin
 from vlmprobe.estimate.tracker import LiveBytesTracker
 
 
+@contextlib.contextmanager
+def no_automatic_collection():
+    """Python's cyclic garbage collector off for the session, after one collection before it: a tensor that
+    only a reference cycle keeps alive lives to the session's end, wherever a collection would have fallen.
+    With the collector on, the figures depended on when one happened to run: a few more Python objects made
+    before DeepSpeed ZeRO-2's optimizer step moved a real gloo rank's optimizer peak by 80,384 B, so the
+    estimate and the cpu backend (or one commit and the next) disagreed on the same program. On CUDA such a
+    tensor is freed when a collection runs, if one runs within the step; the figures here are those of a step
+    in which none does, the higher of the two."""
+    import gc
+
+    gc.collect()
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.enable()
+
+
 class TrackerMeter:
     def __init__(self, tracker: LiveBytesTracker, capacity: int | None):
         self.tracker = tracker
@@ -58,6 +77,7 @@ class TrackedBackend(Backend):
     @contextlib.contextmanager
     def session(self, capacity, record_history: str = "alloc", device=None, settings=None, allowed_maximum=None):
         with contextlib.ExitStack() as stack:
+            stack.enter_context(no_automatic_collection())
             stack.enter_context(cuda_autocast_policy())
             stack.enter_context(cuda_sdpa_choice(device))  # the SDPA kernels the target card has
             if self.fake:
