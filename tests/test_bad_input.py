@@ -266,3 +266,19 @@ def test_an_interrupt_between_making_the_dir_and_its_config_leaves_nothing_and_s
     line = interrupted_line(["+sweep=smoke", "resume=old"], made)
     assert line == (f"vlmprobe: interrupted: 0 rows kept in {made / 'results.csv'}; "
                     f"resume with: python -m vlmprobe +sweep=smoke resume={made}")
+
+
+def test_a_resumed_command_interrupted_before_reading_its_dir_names_that_dir_and_the_same_resume_command(tmp_path):
+    # seen in CI's fault test: Ctrl-C during a resumed command's start-up (imports, composing), before its resume=
+    # dir is known to the sweep; the rows in that dir are kept all the same
+    from vlmprobe.__main__ import interrupted_line
+
+    old = tmp_path / "smoke" / "20261123-000000"
+    old.mkdir(parents=True)
+    (old / "config.yaml").write_text("{}\n")
+    (old / "results.csv").write_text("point_id,status\na,ok\n")
+    line = interrupted_line(["+sweep=smoke", f"resume={old}"], None)
+    assert line == (f"vlmprobe: interrupted: 1 rows kept in {old / 'results.csv'}; "
+                    f"resume with: python -m vlmprobe +sweep=smoke resume={old}")
+    assert interrupted_line(["+sweep=smoke", f"resume={tmp_path / 'none'}"], None) == (
+        "vlmprobe: interrupted before any point ran; nothing was written")  # not a results dir: checked later

@@ -219,6 +219,10 @@ def interrupted_line(argv: list[str], out_dir: Path | None) -> str:
 
         shutil.rmtree(out_dir, ignore_errors=True)
         out_dir = None
+    if out_dir is None:  # a resumed command interrupted at start-up, before it read its dir: its rows are there
+        given = [a.split("=", 1)[1] for a in argv if a.split("=", 1)[0].lstrip("+") == "resume" and "=" in a]
+        if given and (Path(given[-1]) / "config.yaml").is_file():
+            out_dir = Path(given[-1])
     if out_dir is None:
         return "vlmprobe: interrupted before any point ran; nothing was written"
     from vlmprobe.results import read_table
