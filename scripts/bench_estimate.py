@@ -2,13 +2,13 @@
 """Speed of the estimate backend on this machine, against the targets of the estimate issue.
 
 Runs (1) one qwen2_vl_7b point (bf16 weights, batch 1, lm_max_length 2048, 448 px), (2) the whole seq_len
-sweep and (3) the 100-point grid100 sweep, each under launcher=local and under launcher=pool (all usable
-cores), (4) one qwen2_vl_7b FSDP2 point and one ZeRO-3 point at world size 8 (all ranks alike, so one rank is
+sweep and (3) the 100-point grid100 sweep, each under launcher=local, launcher=pool and launcher=auto (all
+usable cores), (4) one qwen2_vl_7b FSDP2 point and one ZeRO-3 point at world size 8 (all ranks alike, so one rank is
 simulated), and
 (5) one qwen2_5_vl_7b GRPO step, each as `python -m vlmprobe ... measure.backend=estimate` in a subprocess,
 and prints a table: step time (the row's step_time_s), wall time
-and the subprocess's peak RSS (under pool: the sweep process's own, not its workers'), then the ratio of
-each sweep's wall times, local / pool.
+and the subprocess's peak RSS (under pool and auto: the sweep process's own, not its workers'), then the
+ratios of each sweep's wall times, local / pool and local / auto.
 
     python scripts/bench_estimate.py [NAME_PART]   # e.g. fsdp2: only the cases whose name contains it
 """
@@ -31,9 +31,12 @@ CASES = [
     ("seq_len sweep (8 points), launcher=local", ["+sweep=seq_len", "launcher=local"], {"wall_s": 60.0}),
     # the same points, several at once (the issue's target for the sweep: 12 s on a 2-core machine)
     ("seq_len sweep (8 points), launcher=pool", ["+sweep=seq_len", "launcher=pool"], {"wall_s": 12.0}),
+    # the default: this process measures points as under local, with workers helping once started
+    ("seq_len sweep (8 points), launcher=auto", ["+sweep=seq_len", "launcher=auto"], {"wall_s": 12.0}),
     # the launcher issue's targets: a usual 100-point question in at most 2.5 minutes, under either launcher
     ("grid100 (100 points), launcher=local", ["+sweep=grid100", "launcher=local"], {"wall_s": 150.0}),
     ("grid100 (100 points), launcher=pool", ["+sweep=grid100", "launcher=pool"], {"wall_s": 150.0}),
+    ("grid100 (100 points), launcher=auto", ["+sweep=grid100", "launcher=auto"], {"wall_s": 150.0}),
     ("qwen2_vl_7b fsdp2 world 8 (one rank simulated)",
      ["model=qwen2_vl_7b", "dist=fsdp2_bf16", "dist.world_size=8", "data.batch_size=1", "data.lm_max_length=2048",
       "data.image_size=448"], {"wall_s": 30.0, "rss_gib": 2.0}),
@@ -80,10 +83,12 @@ def main() -> None:
     print(pd.DataFrame(rows).to_markdown(index=False))
     walls = {row["case"]: row["wall_s"] for row in rows}
     for sweep in ("seq_len sweep (8 points)", "grid100 (100 points)"):
-        local, pool = walls.get(f"{sweep}, launcher=local"), walls.get(f"{sweep}, launcher=pool")
-        if local and pool:
-            print(f"\n{sweep} wall time, local / pool: {local / pool:.2f} "
-                  f"(pool: {len(os.sched_getaffinity(0))} jobs, launcher.jobs=null)")
+        local = walls.get(f"{sweep}, launcher=local")
+        for other in ("pool", "auto"):
+            wall = walls.get(f"{sweep}, launcher={other}")
+            if local and wall:
+                print(f"\n{sweep} wall time, local / {other}: {local / wall:.2f} "
+                      f"({other}: {len(os.sched_getaffinity(0))} jobs, launcher.jobs=null)")
     print("\nrss_gib: peak resident set of the vlmprobe process (GiB, 1024^3 B); step_time_s: slowest point's last step.")
 
 

@@ -17,6 +17,7 @@ import pytest
 
 from conftest import REPO, run_cli
 from vlmprobe import child, launchers
+from vlmprobe import sweep as sweep_module
 from vlmprobe.__main__ import main
 from vlmprobe.errors import ConfigError
 
@@ -38,7 +39,7 @@ def results_dir(root: Path) -> Path:
 @pytest.mark.slow  # ~40 s; CI keeps pool through the Ctrl-C test and launcher == local rows through submitit's
 def test_pool_gives_the_rows_local_gives(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
-    assert main([*SMOKE, f"results_dir={tmp_path / 'local'}"]) == 0  # launcher=local, the default
+    assert main([*SMOKE, "launcher=local", f"results_dir={tmp_path / 'local'}"]) == 0
     capsys.readouterr()
     proc = run_cli([*SMOKE, *POOL, f"results_dir={tmp_path / 'pool'}"], cwd=tmp_path, env_extra=ENV)
     assert proc.returncode == 0, proc.stderr
@@ -189,6 +190,99 @@ def test_pool_on_cuda_pins_each_running_worker_to_a_gpu_no_other_worker_holds(mo
     bar = SimpleNamespace(update=lambda n: None, set_postfix_str=lambda s: None)
     launchers._run_pool(items, runner, 2, bar, ["3", "5"])
     assert sorted(recorded) == [str(i) for i in range(8)] and set(seen) == {"3", "5"} and len(seen) == 8
+
+
+class StandInWorker(sweep_module.ServingWorker):
+    """A serving worker without a process: `up` says whether it ever starts (None: it is still importing when
+    the sweep ends; False: it dies starting), each point it measures takes `seconds`."""
+
+    up: bool | None = True
+    seconds = 0.05
+    made: list = []
+
+    def __init__(self, env, children):
+        self.env, self.ready, self.closed, self.took = env, threading.Event(), None, []
+        self.made_at = time.perf_counter()
+        if self.up is not None:
+            self.ready.set()
+        StandInWorker.made.append(self)
+
+    def alive(self):
+        return self.up is not False
+
+    def call(self, request, timeout):
+        self.took.append(request["id"])
+        time.sleep(self.seconds)
+        return {"status": "ok"}
+
+    def stderr_tail(self):
+        return "ImportError: no torch here"
+
+    def close(self, kill=False):
+        self.closed = "killed" if kill else "closed"
+
+
+def inline_pool(monkeypatch, up, points=8, seconds=0.05, start_s=0.0, first_seconds=None):
+    """Run `points` stand-in points under launcher=auto's pool (this process and one worker, worth starting once
+    the points left would take this process more than `start_s`): who measured each, and the workers made."""
+    from types import SimpleNamespace
+
+    monkeypatch.setattr(launchers, "WORKER_PAYS_S", start_s)
+    monkeypatch.setattr(sweep_module, "ServingWorker", StandInWorker)
+    monkeypatch.setattr(StandInWorker, "up", up)
+    monkeypatch.setattr(StandInWorker, "made", [])
+    measure = {"timeout_s": 10, "alloc_conf": None, "backend": "estimate", "isolate": "auto"}  # in-process locally
+    items = [SimpleNamespace(config={"measure": measure, "id": str(i)}, point=SimpleNamespace(id=str(i)))
+             for i in range(points)]
+    by, ended = {}, {}
+
+    def run(item):  # what local does: measure in this process
+        time.sleep(first_seconds if first_seconds is not None and item.point.id == "0" else seconds)
+        by[item.point.id] = by.get(item.point.id, "") + "here"
+        ended[item.point.id] = time.perf_counter()
+
+    def record(item, out):
+        by[item.point.id] = by.get(item.point.id, "") + "worker"
+
+    runner = SimpleNamespace(with_snapshot_file=lambda item: item.config, run=run, record=record)
+    bar = SimpleNamespace(update=lambda n: None, set_postfix_str=lambda s: None)
+    launchers._run_pool(items, runner, 2, bar, None, inline=True)
+    assert sorted(by) == [str(i) for i in range(points)]  # every point exactly once ("here" or "worker", not both)
+    took = [p for worker in StandInWorker.made for p in worker.took]
+    assert sorted(took) == sorted(p for p, who in by.items() if who == "worker")
+    return by, StandInWorker.made, ended
+
+
+def test_under_auto_quick_points_start_no_worker(monkeypatch):
+    # 7 points left after the first, 0.05 s each here: 0.35 s, less than what pays a worker's start (WORKER_PAYS_S)
+    by, made, _ = inline_pool(monkeypatch, up=True, start_s=launchers.WORKER_PAYS_S)
+    assert set(by.values()) == {"here"} and made == []
+    by, made, ended = inline_pool(monkeypatch, up=True, start_s=0.3)  # worth one from the first point on (7 x 0.05 s)
+    assert len(made) == 1 and made[0].made_at >= ended["0"] and by["0"] == "here"
+
+
+def test_under_auto_a_first_point_longer_than_a_worker_start_starts_one_while_it_runs(monkeypatch):
+    by, (worker,), ended = inline_pool(monkeypatch, up=True, start_s=0.3, first_seconds=1.0)
+    assert ended["0"] - 1.0 < worker.made_at < ended["0"]
+
+
+def test_under_auto_this_process_measures_points_and_a_started_worker_helps_leaving_it_the_last(monkeypatch):
+    by, (worker,), _ = inline_pool(monkeypatch, up=True)
+    assert set(by.values()) == {"here", "worker"} and worker.closed == "closed"
+    assert by["7"] == "here"  # points are taken in order, and the last one waiting is never a worker's
+
+
+def test_under_auto_a_worker_still_starting_when_the_points_are_done_takes_none_and_is_killed(monkeypatch):
+    started = time.time()
+    by, (worker,), _ = inline_pool(monkeypatch, up=None)
+    assert set(by.values()) == {"here"} and worker.closed == "killed"
+    assert time.time() - started < 8 * 0.05 + 2  # the points' own time: nothing waited on the worker
+
+
+def test_under_auto_a_worker_that_dies_starting_says_why_and_this_process_measures_every_point(monkeypatch, capsys):
+    by, _, _ = inline_pool(monkeypatch, up=False)
+    assert set(by.values()) == {"here"}
+    assert "vlmprobe: a pool worker could not start; stderr tail: ImportError: no torch here" in capsys.readouterr().err
 
 
 def test_submitit_jobs_give_the_rows_local_gives_and_a_killed_job_keeps_its_finished_points(tmp_path, monkeypatch,

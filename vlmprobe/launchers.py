@@ -2,7 +2,10 @@
 appends each row as its point finishes (vlmprobe.sweep.Runner), so resume, failed points and Ctrl-C mean
 the same thing under every one; only the order of the rows differs.
 
-- auto: pool where it runs points at once, local where it cannot (see `resolve`).
+- auto (the default): pool where it runs points at once, local where it cannot (see `resolve`). Points that
+  local measures in the sweep process (estimate, cpu) are measured there still, and the pool's workers help,
+  each taking points only once it has started and leaving the last waiting point to the sweep process: a
+  sweep over before a worker has imported torch runs as under local, a long one on every core.
 - local: one point after another, in this process or in a worker as measure.isolate says (vlmprobe.sweep).
 - pool: up to launcher.jobs points at once, in worker processes. A point that needs a fresh process
   (vlmprobe.sweep.isolated: cuda, or measure.isolate=true) gets one of its own (vlmprobe.sweep.call_worker);
@@ -26,7 +29,6 @@ the same thing under every one; only the order of the rows differs.
 
 from __future__ import annotations
 
-import concurrent.futures
 import json
 import os
 import queue
@@ -39,6 +41,12 @@ from pathlib import Path
 from vlmprobe.errors import ConfigError
 
 NAMES = ("auto", "local", "pool", "submitit")
+# launcher=auto: the work left (seconds of this process alone) above which starting a worker pays. A worker
+# costs S ~ 5 s before it helps on this 2-core machine (~2.5 s to import torch and say READY, ~2.5 s more for
+# its first point than for the next: the first build's imports and dispatches), and two busy processes here
+# each run at ~0.75 of one alone; W seconds of work then take ~0.5 S + W / 1.5 instead of W: a gain only
+# past W = 1.5 S.
+WORKER_PAYS_S = 7.5
 POLL_S = 0.5  # how often the main thread wakes while waiting on the pool (a Ctrl-C is handled at once anyway)
 
 
@@ -115,18 +123,29 @@ def run_points(todo: list, runner, launcher: dict, bar) -> None:
     finishes."""
     from tqdm import tqdm
 
+    from vlmprobe.sweep import isolated
+
     poolable = [item for item in todo if not item.skip and item.config["dist"]["name"] == "none"]
     backend = poolable[0].config["measure"]["backend"] if poolable else "estimate"
+    inline = False  # whether this process measures points too, beside the pool's workers (launcher=auto)
     if launcher["name"] == "auto":
         launcher = resolve(launcher, backend, len(poolable))
-        how = f"pool of {min(jobs(launcher, backend), len(poolable))} workers" if launcher["name"] == "pool" else "local"
+        # Points that local would measure in this process (estimate, cpu) are measured here as under local,
+        # and the pool's workers only help: each takes points once it has started (imported torch, several
+        # seconds), so a sweep that ends sooner than that never waits for one and auto is never slower than
+        # local. On cuda every point needs a GPU of its own pinned to a worker: pool as it is.
+        inline = launcher["name"] == "pool" and backend != "cuda" and not isolated(poolable[0].config)
+        slots = min(jobs(launcher, backend), len(poolable))
+        how = ("local" if launcher["name"] == "local" else
+               f"pool: this process and {slots - 1} worker process{'es' * (slots > 2)} taking points once started"
+               if inline else f"pool of {slots} workers")
         tqdm.write(f"vlmprobe: launcher=auto runs the points with launcher={how} (backend {backend}, "
-                  f"{usable_cores()} usable cores)", file=sys.stderr)
+                   f"{usable_cores()} usable cores)", file=sys.stderr)
     if launcher["name"] == "submitit":
         _run_submitit([item for item in todo if not item.skip], runner, launcher, bar)
     elif launcher["name"] == "pool":
         gpus = visible_gpus() if backend == "cuda" else None
-        _run_pool(poolable, runner, jobs(launcher, backend), bar, gpus)
+        _run_pool(poolable, runner, jobs(launcher, backend), bar, gpus, inline)
     todo = [item for item in todo if item.point.id not in runner.done]  # skipped (and, under pool, distributed)
     for item in todo:
         bar.set_postfix_str(item.point.id)
@@ -134,9 +153,15 @@ def run_points(todo: list, runner, launcher: dict, bar) -> None:
         bar.update(1)
 
 
-def _run_pool(todo: list, runner, workers: int, bar, gpus: list[str] | None) -> None:
+def _run_pool(todo: list, runner, workers: int, bar, gpus: list[str] | None, inline: bool = False) -> None:
+    """Run `todo` `workers` at a time. Pool threads each take the next point from one queue and wait on a worker
+    for it; this (main) thread records their rows. With `inline` (launcher=auto), this thread is one of the
+    `workers` and measures points itself between recording rows; the pool threads start once its first point
+    has run for WORKER_PAYS_S, or once one of its points says the points still waiting would take it longer
+    than that, and each takes points only once its long-lived worker has started."""
     from vlmprobe import child, interrupt
     from vlmprobe.sweep import ServingWorker, call_worker, isolated, worker_env
+    from vlmprobe.worker import error_row
 
     if not todo:
         return
@@ -146,6 +171,12 @@ def _run_pool(todo: list, runner, workers: int, bar, gpus: list[str] | None) -> 
         free_gpus = queue.Queue()
         for gpu in gpus[:workers]:
             free_gpus.put(gpu)
+    waiting: queue.Queue = queue.Queue()  # points no one has taken yet
+    for item in todo:
+        waiting.put(item)
+    taking = threading.Lock()  # one taker at a time: what waits and what is taken agree
+    finished: queue.Queue = queue.Queue()  # (point, outputs) from the pool threads, for this thread to record
+    stop = threading.Event()  # set on Ctrl-C (or a failure here): pool threads take no more points
     mine = threading.local()  # each pool thread's GPU (it keeps it: there are no more threads than GPUs) and worker
     serving: list = []  # every ServingWorker started, to end at the close
 
@@ -175,29 +206,99 @@ def _run_pool(todo: list, runner, workers: int, bar, gpus: list[str] | None) -> 
             return call_worker(config, env, timeout, children)
         return serving_worker(env).call(config, timeout)
 
-    pool = concurrent.futures.ThreadPoolExecutor(max_workers=min(workers, len(todo)),
-                                                 thread_name_prefix="vlmprobe-pool")
+    def take(leave: int = 0):
+        """The next point no one has taken, if more than `leave` wait; else None."""
+        with taking:
+            return waiting.get_nowait() if waiting.qsize() > leave else None
+
+    def pool_thread() -> None:
+        if inline:
+            started = serving_worker(env_of(todo[0].config))
+            if not started.wait_ready(stop):
+                if not stop.is_set():  # died starting: this process and the other workers take its share
+                    tqdm_write(f"vlmprobe: a pool worker could not start; stderr tail: {started.stderr_tail()}")
+                return
+        # inline, a worker leaves the last waiting point to this process, which has run points already: a
+        # worker's first point also pays its first build (imports, first dispatches, ~3 s more than the next)
+        while not stop.is_set() and (item := take(leave=1 if inline else 0)) is not None:
+            try:
+                outputs = run_one(item)
+            except Exception as exc:  # a fault of the pool's own, not of the point: still that point's row
+                outputs = error_row(exc)
+            finished.put((item, outputs))
+
+    threads = [threading.Thread(target=pool_thread, name=f"vlmprobe-pool-{i}", daemon=True)
+               for i in range(min(workers, len(todo)) - inline)]
+    helping = threading.Event()  # set once the pool threads run: under inline, once the points left are worth it
+    starting = threading.Lock()
+
+    def start_helpers() -> None:
+        with starting:
+            if not helping.is_set() and not stop.is_set() and waiting.qsize():
+                helping.set()
+                for thread in threads:
+                    thread.start()
+
+    # inline: this process's first point takes the longest (the first build); one still running after
+    # WORKER_PAYS_S says the points are worth a worker's start
+    slow_first = threading.Timer(WORKER_PAYS_S, start_helpers)
+    if inline:
+        slow_first.start()
+    else:
+        start_helpers()
+    left = len(todo)
     try:
-        running = {pool.submit(run_one, item): item for item in todo}
-        while running:
-            bar.set_postfix_str(f"{min(workers, len(running))} running")
-            finished, _ = concurrent.futures.wait(running, timeout=POLL_S,
-                                                  return_when=concurrent.futures.FIRST_COMPLETED)
-            for future in finished:
-                item = running.pop(future)
-                if interrupt.received():
-                    raise KeyboardInterrupt  # a worker killed by the interruption is no result
-                runner.record(item, future.result())
-                bar.update(1)
+        while left:
+            bar.set_postfix_str(f"{sum(t.is_alive() for t in threads) + inline} running")
+            try:  # the rows waiting to be written first; then (inline) a point of this thread's own
+                item, outputs = finished.get_nowait()
+            except queue.Empty:
+                own = take() if inline else None
+                if own is not None:
+                    began = time.perf_counter()
+                    runner.run(own)
+                    bar.update(1)
+                    left -= 1
+                    slow_first.cancel()
+                    # workers only where the points left would keep this process longer than one takes to help
+                    if waiting.qsize() * (time.perf_counter() - began) > WORKER_PAYS_S:
+                        start_helpers()
+                    continue
+                try:
+                    item, outputs = finished.get(timeout=POLL_S)
+                except queue.Empty:
+                    continue
+            if interrupt.received():
+                raise KeyboardInterrupt  # a worker killed by the interruption is no result
+            runner.record(item, outputs)
+            bar.update(1)
+            left -= 1
     except BaseException:
         # Ctrl-C (or a failure here): the workers are in sessions of their own, out of the terminal's reach,
         # and would run on; end them, then wait for the threads (a call returns once its worker is killed)
+        stop.set()
         children.kill()
-        pool.shutdown(wait=True, cancel_futures=True)
+        end_threads(threads, slow_first, starting, helping)
         raise
-    pool.shutdown(wait=True)
+    stop.set()  # a pool thread still waiting for its worker to start takes nothing now
+    end_threads(threads, slow_first, starting, helping)
     for worker in serving:
-        worker.close()
+        worker.close(kill=not worker.ready.is_set())  # one still importing has nothing to finish
+
+
+def end_threads(threads: list, timer: threading.Timer, starting: threading.Lock, helping: threading.Event) -> None:
+    """Wait for the pool threads, if they started (once `stop` is set, none starts: start_helpers checks it)."""
+    timer.cancel()
+    with starting:
+        started = helping.is_set()
+    for thread in threads if started else ():
+        thread.join()
+
+
+def tqdm_write(line: str) -> None:
+    from tqdm import tqdm
+
+    tqdm.write(line, file=sys.stderr)
 
 
 def executor(launcher: dict, folder: Path):

@@ -24,7 +24,7 @@ from tqdm import tqdm
 from vlmprobe import backends, child, interrupt
 from vlmprobe.distributed.ranks import RankWriter, measure_point
 from vlmprobe.results import RowWriter, mib, read_table
-from vlmprobe.worker import RAISED, ROW_PREFIX, TAIL, error_row, measure
+from vlmprobe.worker import RAISED, READY, ROW_PREFIX, TAIL, error_row, measure
 
 def isolated(config: dict) -> bool:
     choice = config["measure"]["isolate"]
@@ -88,6 +88,7 @@ class ServingWorker:
         self._rows: queue.Queue = queue.Queue()  # result lines as they come, then None when stdout ends
         self._stderr: collections.deque = collections.deque(maxlen=self.STDERR_LINES)  # (line number, line)
         self._stderr_count = 0
+        self.ready = threading.Event()  # set once it has said READY, or its output has ended (died starting)
         threading.Thread(target=self._read_stdout, daemon=True).start()
         threading.Thread(target=self._read_stderr, daemon=True).start()
 
@@ -95,7 +96,10 @@ class ServingWorker:
         for line in self._proc.stdout:
             if line.startswith(ROW_PREFIX):
                 self._rows.put(line)
+            elif line.rstrip("\n") == READY:
+                self.ready.set()
         self._rows.put(None)
+        self.ready.set()
 
     def _read_stderr(self) -> None:  # read as it comes: a full pipe would block the worker
         for line in self._proc.stderr:
@@ -104,6 +108,17 @@ class ServingWorker:
 
     def alive(self) -> bool:
         return self._proc.poll() is None
+
+    def wait_ready(self, stop: threading.Event) -> bool:
+        """Wait until the worker can measure, or `stop` is set; whether it is up (False: it died starting, and
+        its stderr tail says why, or the wait was stopped)."""
+        while not self.ready.wait(0.1):
+            if stop.is_set():
+                return False
+        return self.alive()
+
+    def stderr_tail(self) -> str:
+        return self._tail(0)
 
     def call(self, request: dict, timeout: float | None) -> dict:
         """The outputs of one point, or its failed row."""

@@ -24,6 +24,7 @@ from vlmprobe.steps.common import StepReport
 from vlmprobe.steps.sft import train_steps
 
 ROW_PREFIX = "VLMPROBE_ROW "
+READY = "VLMPROBE_READY"  # what a serving worker prints once it can measure (its imports done)
 TAIL = 2000  # characters of a traceback or of stderr kept in a failed row
 PHASES = ("generate", "reference", "forward", "backward", "optimizer")  # every step's phases, as row columns
 RAISED = 3  # exit code when the measurement raised: the sweep records status `error` with the traceback
@@ -166,7 +167,17 @@ def serve() -> None:
     """`python -m vlmprobe.worker --serve`: one point per stdin line, measured one after another in this process,
     each result printed as soon as it is known (launcher=pool, for points that need no fresh process: torch,
     transformers and the backend are imported once per worker, not once per point). A point that raises is an
-    `error` row, as when the sweep process measures it (vlmprobe.sweep.run_point), and the next line is read."""
+    `error` row, as when the sweep process measures it (vlmprobe.sweep.run_point), and the next line is read.
+    It says READY first, once what every point uses is imported: launcher=auto gives a worker points only from
+    then on (vlmprobe.launchers)."""
+    import hydra.utils
+    import transformers.modeling_utils  # what a model's first build imports (torch._dynamo with it: ~1 s)
+
+    from vlmprobe.estimate import fake_views
+
+    del hydra.utils, transformers.modeling_utils, fake_views  # imported for the points to come
+    sys.stdout.write(READY + "\n")
+    sys.stdout.flush()
     for line in sys.stdin:
         try:
             result = measure(json.loads(line))
