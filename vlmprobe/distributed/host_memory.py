@@ -129,8 +129,10 @@ def host_placement():
         offload_param (stage3.py:_move_to_flat_buffer, `src.data = dest.data` into the flat host buffer): on
         CUDA the partition's block is freed there (and kept in torch's pinned-block cache)."""
         block = 1 << max(tensor.nbytes - 1, 0).bit_length()
+        # the host named: under deepspeed.zero.Init (offload_param's pinned partitions) torch.empty is its
+        # wrapper, which gives a call that names no device the accelerator's
         with placed("host"):
-            buffer = torch.empty(block // tensor.element_size(), dtype=tensor.dtype)
+            buffer = torch.empty(block // tensor.element_size(), dtype=tensor.dtype, device="cpu")
             return buffer[:tensor.numel()].view(tensor.shape).detach().copy_(tensor)
 
     accelerator = get_accelerator()
