@@ -7,6 +7,7 @@ stdin and prints its result as the last stdout line, `ROW_PREFIX{json}`. An out-
 from __future__ import annotations
 
 import contextlib
+import gc
 import json
 import sys
 from pathlib import Path
@@ -79,6 +80,12 @@ def measure(point: dict) -> dict:
             # offload off cuda: host buffers counted apart, from the build on (zero.Init partitions to the host)
             host_memory.enter_context(engine.host_memory())
             model = engine.build(spec, DTYPES[train["param_dtype"]])
+            # What the build left to reference cycles is freed before training: between a model's load and
+            # its first step a real run allocates Python objects by the million, so a full collection has
+            # run. (Under zero.Init, a tied LM head's first weight, replaced by the embedding's, is held by
+            # DeepSpeed's per-parameter closures, pinned host piece and all.) The estimate and cpu sessions
+            # run with the collector off (vlmprobe.estimate.tracked), so it is done here, once.
+            gc.collect()
             out["build_peak_bytes"] = meter.peaks()["allocated"]  # the model's construction (and its weights' fill)
             quantization.quantize(model, train, backend.name)  # QLoRA's base, before its adapters
             apply_knobs(spec, model, train)
