@@ -34,7 +34,9 @@ Modelling decisions (each one is what CUDA would do, applied on fake CPU tensors
 - Garbage collection: Python's cyclic collector is off during a point (vlmprobe.estimate.tracked), so a tensor
   held only by a reference cycle lives to the point's end: the step in which no collection falls, the higher
   case (the cpu backend likewise); with it on, the figures moved with how many Python objects happened to be
-  made before a step.
+  made before a step. The exception is the build's garbage, collected once before training
+  (vlmprobe.worker.measure): a real run makes enough objects between load and first step for a collection
+  to have run (a tied LM head's first weight under zero.Init is the case met).
 
 Not modelled (the error budget against a CUDA measurement): the CUDA context and NVML-only memory, cuBLAS /
 cuBLASLt workspaces (CUDA counts them in memory_allocated: 2 x 8,519,680 B on sm86; the estimate adds them to
