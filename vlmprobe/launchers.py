@@ -159,6 +159,8 @@ def _run_pool(todo: list, runner, workers: int, bar, gpus: list[str] | None, inl
     `workers` and measures points itself between recording rows; the pool threads start once its first point
     has run for WORKER_PAYS_S, or once one of its points says the points still waiting would take it longer
     than that, and each takes points only once its long-lived worker has started."""
+    from tqdm import tqdm
+
     from vlmprobe import child, interrupt
     from vlmprobe.sweep import ServingWorker, call_worker, isolated, worker_env
     from vlmprobe.worker import error_row
@@ -216,7 +218,8 @@ def _run_pool(todo: list, runner, workers: int, bar, gpus: list[str] | None, inl
             started = serving_worker(env_of(todo[0].config))
             if not started.wait_ready(stop):
                 if not stop.is_set():  # died starting: this process and the other workers take its share
-                    tqdm_write(f"vlmprobe: a pool worker could not start; stderr tail: {started.stderr_tail()}")
+                    tqdm.write(f"vlmprobe: a pool worker could not start; stderr tail: {started.stderr_tail()}",
+                               file=sys.stderr)
                 return
         # inline, a worker leaves the last waiting point to this process, which has run points already: a
         # worker's first point also pays its first build (imports, first dispatches, ~3 s more than the next)
@@ -238,6 +241,14 @@ def _run_pool(todo: list, runner, workers: int, bar, gpus: list[str] | None, inl
                 helping.set()
                 for thread in threads:
                     thread.start()
+
+    def end_threads() -> None:
+        """Wait for the pool threads, if they started (`stop` is set by now: none starts after this)."""
+        slow_first.cancel()
+        with starting:
+            started = helping.is_set()
+        for thread in threads if started else ():
+            thread.join()
 
     # inline: this process's first point takes the longest (the first build); one still running after
     # WORKER_PAYS_S says the points are worth a worker's start
@@ -278,27 +289,12 @@ def _run_pool(todo: list, runner, workers: int, bar, gpus: list[str] | None, inl
         # and would run on; end them, then wait for the threads (a call returns once its worker is killed)
         stop.set()
         children.kill()
-        end_threads(threads, slow_first, starting, helping)
+        end_threads()
         raise
     stop.set()  # a pool thread still waiting for its worker to start takes nothing now
-    end_threads(threads, slow_first, starting, helping)
+    end_threads()
     for worker in serving:
         worker.close(kill=not worker.ready.is_set())  # one still importing has nothing to finish
-
-
-def end_threads(threads: list, timer: threading.Timer, starting: threading.Lock, helping: threading.Event) -> None:
-    """Wait for the pool threads, if they started (once `stop` is set, none starts: start_helpers checks it)."""
-    timer.cancel()
-    with starting:
-        started = helping.is_set()
-    for thread in threads if started else ():
-        thread.join()
-
-
-def tqdm_write(line: str) -> None:
-    from tqdm import tqdm
-
-    tqdm.write(line, file=sys.stderr)
 
 
 def executor(launcher: dict, folder: Path):
