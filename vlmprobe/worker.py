@@ -182,9 +182,9 @@ def serve() -> None:
     import hydra.utils
     import transformers.modeling_utils  # what a model's first build imports (torch._dynamo with it: ~1 s)
 
-    from vlmprobe.estimate import fake_views
+    from vlmprobe.estimate import fast_fake
 
-    del hydra.utils, transformers.modeling_utils, fake_views  # imported for the points to come
+    del hydra.utils, transformers.modeling_utils, fast_fake  # imported for the points to come
     sys.stdout.write(READY + "\n")
     sys.stdout.flush()
     for line in sys.stdin:

@@ -13,6 +13,7 @@ Modules:
   what its CUDA code allocates, behind transformers' own flash path
 - device_profile.py: the target GPU (conf/device/): capacity, dtypes, kernels, workspaces, context
 - fake_patches.py: where libraries read data of fake tensors, the answer a real run gets
+- fast_fake.py: FakeTensorMode made cheaper per op (views answered directly, a cheaper cache key), same answers
 
 Modelling decisions (each one is what CUDA would do, applied on fake CPU tensors):
 - Fake CPU tensors under FakeTensorMode: fake CUDA tensors abort a CPU-only build, so shapes, dtypes and

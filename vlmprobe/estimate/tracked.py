@@ -81,10 +81,10 @@ class TrackedBackend(Backend):
             stack.enter_context(cuda_autocast_policy())
             stack.enter_context(cuda_sdpa_choice(device))  # the SDPA kernels the target card has
             if self.fake:
-                from vlmprobe.estimate.fake_views import FakeTensorModeWithDirectViews
+                from vlmprobe.estimate.fast_fake import FastFakeTensorMode
 
                 # allow_non_fake_inputs: module buffers made from Python constants may be real
-                stack.enter_context(FakeTensorModeWithDirectViews(allow_non_fake_inputs=True))
+                stack.enter_context(FastFakeTensorMode(allow_non_fake_inputs=True))
                 stack.enter_context(real_run_answers_for_fake_batches())
                 stack.enter_context(flash_attention_standin())  # flash_attention_2 without the package or a GPU
             tracker = stack.enter_context(LiveBytesTracker(capacity, answer_fake_scalar_reads=self.fake,

@@ -30,7 +30,6 @@ import torch
 from torch._subclasses.fake_tensor import DataDependentOutputException, FakeTensor
 from torch._subclasses.fake_tensor import _device_handler as _fake_device
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
-from torch.utils._pytree import tree_leaves
 
 from vlmprobe.estimate.alloc_conf import AllocatorSettings
 from vlmprobe.estimate.allocator import CachingAllocatorModel
@@ -196,18 +195,25 @@ def aliases_inputs(func) -> bool:
             and not torch._C._dispatch_has_kernel_for_dispatch_key(func.name(), "CompositeImplicitAutograd"))
 
 
-def storage_tensors(tree) -> list[torch.Tensor]:
-    """The tensors in `tree` that own memory: a wrapper subclass (DTensor: a global shape around this rank's
-    local shard) stands for its inner tensors, whose storages are the memory; its own storage is none."""
-    found = []
-    for t in tree_leaves(tree):
-        if not isinstance(t, torch.Tensor) or t.layout != torch.strided:
-            continue
-        if is_traceable_wrapper_subclass(t):
-            names, _ = t.__tensor_flatten__()
-            found.extend(storage_tensors([getattr(t, name) for name in names]))
+def storage_tensors(tree, found: list | None = None) -> list[torch.Tensor]:
+    """The tensors in `tree` (an op's arguments or outputs: tensors, lists, tuples, dicts) that own memory: a
+    wrapper subclass (DTensor: a global shape around this rank's local shard) stands for its inner tensors,
+    whose storages are the memory; its own storage is none. A plain walk: it runs twice an op, and pytree's
+    general one cost a sixth of a fake op."""
+    found = [] if found is None else found
+    if isinstance(tree, torch.Tensor):
+        if tree.layout != torch.strided:
+            pass
+        elif is_traceable_wrapper_subclass(tree):
+            names, _ = tree.__tensor_flatten__()
+            storage_tensors([getattr(tree, name) for name in names], found)
         else:
-            found.append(t)
+            found.append(tree)
+    elif isinstance(tree, (list, tuple)):
+        for item in tree:
+            storage_tensors(item, found)
+    elif isinstance(tree, dict):
+        storage_tensors(list(tree.values()), found)
     return found
 
 

@@ -1,0 +1,148 @@
+"""The cheaper FakeTensorMode (vlmprobe.estimate.fast_fake) gives what FakeTensorMode gives: views answered without
+its cache, and its cache keyed by one tuple per fake; the tracker's short cut for views (tracker.aliases_inputs)
+takes exactly the ops that cannot allocate."""
+
+import pytest
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode, _CacheKeyState
+
+from vlmprobe.estimate import fast_fake
+from vlmprobe.estimate.fast_fake import FastFakeTensorMode
+from vlmprobe.estimate.tracker import LiveBytesTracker, aliases_inputs
+
+aten = torch.ops.aten
+# (op, arguments after the input): slices at new offsets (DeepSpeed's), past the end, negative, strided; the
+# views models and optimizers make; ops returning several views
+VIEWS = [
+    (aten.slice.Tensor, (0, 3, 9)), (aten.slice.Tensor, (0, -5, 10**9)), (aten.slice.Tensor, (1, 1, 7, 3)),
+    (aten.slice.Tensor, (0, 20, 30)), (aten.view.default, ([12, 3, 5],)), (aten.view.default, ([12, -1],)),
+    (aten.view.dtype, (torch.int16,)), (aten.detach.default, ()), (aten.alias.default, ()), (aten.t.default, ()),
+    (aten.transpose.int, (0, 1)), (aten.permute.default, ([1, 0],)), (aten.expand.default, ([3, 12, 15],)),
+    (aten.select.int, (1, 5)), (aten.unsqueeze.default, (0,)), (aten.squeeze.dim, (0,)),
+    (aten.as_strided.default, ([5, 5], [1, 5], 7)), (aten.diagonal.default, ()), (aten.unfold.default, (1, 4, 2)),
+    (aten._reshape_alias.default, ([12, 15], [16, 1])), (aten.split.Tensor, (5,)),
+    (aten.split_with_sizes.default, ([2, 10],)), (aten.unbind.int, (1,)),
+]
+
+
+def metadata(out):
+    outs = out if isinstance(out, (list, tuple)) else [out]
+    return [(type(t), t.shape, t.stride(), t.storage_offset(), t.dtype, t.device) for t in outs]
+
+
+def run(mode, func, args):
+    """The op's output on a non-contiguous input at offset 1, and how many cache look-ups the op made."""
+    with mode:
+        source = torch.empty(12, 16)[:, 1:]
+        before = FakeTensorMode.cache_info()
+        out = func(source, *args)
+        after = FakeTensorMode.cache_info()
+    outs = out if isinstance(out, (list, tuple)) else [out]
+    assert all(t.untyped_storage() is source.untyped_storage() for t in outs)  # views of the input
+    return out, (after.hits + after.misses) - (before.hits + before.misses)
+
+
+@pytest.mark.parametrize("func, args", VIEWS, ids=[f"{f}{a}" for f, a in VIEWS])
+def test_a_view_answered_directly_equals_fake_tensor_modes_answer_and_skips_its_cache(func, args):
+    expected, _ = run(FakeTensorMode(), func, args)
+    got, lookups = run(FastFakeTensorMode(), func, args)
+    assert metadata(got) == metadata(expected)
+    assert lookups == 0
+
+
+@pytest.mark.parametrize("mode", [FakeTensorMode, FastFakeTensorMode])
+def test_a_view_of_a_constant_keeps_its_value_as_fake_tensor_mode_does(mode):
+    with mode():
+        constant = torch.tensor([7])  # from Python data, small enough: FakeTensorMode keeps its value
+        part = constant[0:1].view(1, 1)
+    assert part.constant is not None and part.constant.tolist() == [[7]]
+
+
+def test_a_bad_view_raises_as_torch_does():
+    with FastFakeTensorMode(), pytest.raises(RuntimeError, match="invalid for input of size"):
+        torch.empty(12).view(5, 5)
+
+
+def test_only_ops_that_always_return_views_of_their_inputs_skip_the_trackers_walk():
+    assert all(aliases_inputs(func) for func, _ in VIEWS)
+    # may copy instead (CompositeImplicitAutograd), write, or make new storage: walked as before
+    assert not any(aliases_inputs(f) for f in (aten.reshape.default, aten.contiguous.default, aten.to.dtype,
+                                                aten.add_.Tensor, aten._unsafe_view.default, aten.clone.default,
+                                                torch.ops.prim.device.default))
+
+
+@pytest.mark.parametrize("fake", [False, True], ids=["real", "fake"])
+def test_views_charge_nothing_and_a_copying_reshape_is_charged(fake):
+    with FastFakeTensorMode() if fake else torch.no_grad():
+        with LiveBytesTracker() as tracker:
+            x = torch.empty(64, 64)  # 16 KiB
+            views = [x[3:9], x.view(-1), x.t(), x.detach(), *x.split(10)]
+            assert tracker.current == 16384
+            copied = x.t().reshape(-1)  # not viewable: a copy
+            assert tracker.current == 2 * 16384
+    assert len(views) == 11 and copied.numel() == 4096
+
+
+def test_unsafe_view_answered_directly_equals_fake_tensor_modes_answer_and_aliases_its_input():
+    def run(mode):
+        with mode:
+            source = torch.empty(12, 16)[:, 1:].contiguous()
+            out = aten._unsafe_view.default(source, [3, 4, 15])
+        assert out.untyped_storage() is source.untyped_storage()
+        return metadata(out)
+
+    assert run(FastFakeTensorMode()) == run(FakeTensorMode())
+
+
+def keys(mode, tensors):
+    """torch's key and the fast key of aten.add(t, 1) for each tensor."""
+    def key(prep, t):
+        result = []
+        prep(mode, result, (t, 1), _CacheKeyState(None), [])
+        return tuple(result)
+
+    return [(key(FakeTensorMode._prep_args_for_hash, t), key(FastFakeTensorMode._prep_args_for_hash, t))
+            for t in tensors]
+
+
+def test_the_fast_key_tells_apart_every_input_torchs_key_tells_apart():
+    assert fast_fake._FAST_KEY  # the torch pinned here keys exactly the fields the fast key covers
+    mode = FastFakeTensorMode()
+    with mode:
+        base = torch.empty(4, 6)
+        with torch.inference_mode():
+            inference = torch.empty(4, 6)
+        complex_ = torch.empty(4, 6, dtype=torch.complex64)
+        variants = {
+            "dtype": base.to(torch.bfloat16), "shape": torch.empty(6, 4), "stride": torch.empty(6, 4).t(),
+            "storage offset": torch.empty(25)[1:].view(4, 6), "storage bytes": torch.empty(30)[:24].view(4, 6),
+            "requires grad": torch.empty(4, 6, requires_grad=True), "inference": inference,
+            "conj": complex_.conj(), "neg": torch._neg_view(complex_), "non-contiguous": torch.empty(4, 12)[:, ::2],
+        }
+        (torch_base, fast_base), = keys(mode, [base])
+        for name, variant in variants.items():
+            (torch_key, fast_key), = keys(mode, [variant])
+            assert torch_key != torch_base, name  # a difference torch's key sees...
+            assert fast_key != fast_base, name  # ...the fast key sees too
+        (torch_same, fast_same), = keys(mode, [torch.empty(4, 6)])  # another tensor, the same metadata: a hit
+        assert (torch_same, fast_same) == (torch_base, fast_base)
+        complex_pair = keys(mode, [complex_, complex_.conj()])
+        assert complex_pair[0][1] != complex_pair[1][1]
+
+
+def test_the_fast_key_reads_lists_back_one_way_only():
+    mode = FastFakeTensorMode()
+    encode = lambda args: (lambda r: (mode._prep_args_for_hash(r, args, _CacheKeyState(None), []), tuple(r))[1])([])  # noqa: E731
+    assert encode(([2, 3], 4)) != encode(([2, 3, 4],)) != encode((torch.Size([2, 3]), 4))
+    assert encode((1,)) != encode((1.0,)) != encode((True,))  # equal in Python, different dtypes in torch
+
+
+def test_a_training_step_with_fake_tensor_modes_cache_cross_check_on_finds_no_difference(point, monkeypatch):
+    """FakeTensorMode's own check: every cache hit is compared with a fresh dispatch of the op (it raises on any
+    difference in the output's metadata), over a whole step: forward, backward, AdamW's foreach ops."""
+    from vlmprobe.worker import measure
+
+    monkeypatch.setattr(torch._dynamo.config, "fake_tensor_cache_crosscheck_enabled", True)
+    hits = FakeTensorMode.cache_hits
+    row = measure(point(["model=nanovlm_tiny", "data.lm_max_length=32", "measure.backend=estimate"]))
+    assert row["status"] == "ok" and FakeTensorMode.cache_hits > hits

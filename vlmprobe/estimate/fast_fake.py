@@ -1,0 +1,109 @@
+"""FakeTensorMode made cheaper per op, with the same answers: views answered directly, and a cheaper cache key.
+
+An estimate point is tens of thousands of aten ops through FakeTensorMode (a nanoVLM-222M step pair: ~68k,
+~34k of them asking a tensor's device), and its time is their per-op cost, whatever the batch or length.
+
+1. Views answered by torch's meta kernel directly, without the dispatch cache. Why: DeepSpeed ZeRO-3 cuts flat
+   buffers into per-parameter pieces with narrow/slice/view at a new offset each time (tens of thousands per
+   step on a 7B model). FakeTensorMode keys its cache on the offsets, so every such view misses: it pays the
+   key, a Python decomposition (slice), the meta kernel and a new cache entry, ~0.5 ms a view on a 2-core
+   machine, about a third of a ZeRO-3 estimate's time. `_unsafe_view` (a view autograd does not track as one:
+   matmul's reshapes) never goes through the cache at all, so it paid the same.
+   Why the answer is the same: a view's output (size, stride, storage offset, dtype, device, and the storage it
+   aliases) is a pure function of its inputs' metadata and its arguments; FakeTensorMode computes it by running
+   the op's meta kernel on its inputs as meta tensors and wrapping the outputs (the last step of
+   FakeTensorMode._dispatch_impl; for `_unsafe_view` its fake rule is view's), and a cache hit rebuilds that
+   same output. That step is run here as is. Only where FakeTensorMode would do something else first is it left
+   to do so: an input that is not one of this mode's fake tensors (a real tensor to convert, another subclass), a
+   constant fake (it propagates the value), symbolic shapes or real-tensor propagation (neither is used by the
+   estimate). Views allocate nothing, so the tracker's figures cannot move.
+
+2. The cache key of a fake tensor as one tuple of its metadata. FakeTensorMode builds a TensorMetadata per tensor
+   argument (working out its memory format and sparsity on the way) and flattens it field by field: about half
+   of a cached op's cost here (a foreach op of AdamW keys every parameter). The tuple holds every field torch's
+   key holds for a strided, non-constant fake of this mode without symbolic shapes, except the memory format,
+   which is a function of shape and strides (both in the tuple); anything else (sparse, constant or foreign
+   tensors, symbolic values, dicts) is keyed by torch's own code. The key decides only which cached output is
+   rebuilt, so a key that tells apart every input torch's tells apart gives the same outputs. Used only while
+   torch's key is made of the fields listed here (`_KEYED_FIELDS`): a torch that adds one falls back to its own.
+
+tests/test_fast_fake.py compares every view op's output with FakeTensorMode's own, checks that the key tells
+apart what torch's tells apart, and runs a step with FakeTensorMode's cache cross-check on; the estimate == cpu
+tests check the bytes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode, TensorMetadata, in_kernel_invocation_manager
+
+from vlmprobe.estimate.tracker import aliases_inputs
+
+
+# a view autograd does not track as one (matmul's reshapes): FakeTensorMode answers it with view's own code, but
+# never from its cache, so it paid the whole dispatch (630 a nanoVLM-222M step pair, ~0.5 ms each)
+_UNSAFE_VIEW = torch.ops.aten._unsafe_view.default
+_PLAIN = {int, float, bool, str, type(None), torch.dtype, torch.device, torch.layout, torch.memory_format}
+# the fields of torch's per-tensor key that the fast key covers: memory_format through shape and stride; the
+# sparse ones (is_sparse, is_coalesced, dense_dim, sparse_dim) are fixed for a strided tensor
+_KEYED_FIELDS = ("dtype", "shape", "stride", "device", "layout", "memory_format", "storage_offset", "storage_bytes",
+                 "requires_grad", "is_quantized", "is_conj", "is_neg", "is_inference", "is_sparse", "is_coalesced",
+                 "dense_dim", "sparse_dim")
+_FAST_KEY = tuple(field.name for field in dataclasses.fields(TensorMetadata)) == _KEYED_FIELDS
+
+
+class FastFakeTensorMode(FakeTensorMode):
+    def dispatch(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if (aliases_inputs(func) or func is _UNSAFE_VIEW) and not self.propagate_real_tensors and self.shape_env is None:
+            source = only_tensor(args, kwargs)
+            if type(source) is FakeTensor and source.fake_mode is self and source.constant is None:
+                with in_kernel_invocation_manager(self):
+                    out = func(*args, **kwargs)
+                # what wrap_meta_outputs_with_default_device_logic makes of it: the one input's device is the
+                # common device, each new meta output becomes a FakeTensor there (its memo of the meta tensor is
+                # left out: nothing else holds that tensor), an output that is the input itself stays as is
+                device = source.fake_device
+                wrap = lambda t: t if type(t) is FakeTensor else FakeTensor(self, t, device)  # noqa: E731
+                return type(out)(map(wrap, out)) if isinstance(out, (list, tuple)) else wrap(out)
+        return super().dispatch(func, types, args, kwargs)
+
+    def _prep_args_for_hash(self, result, args, state, id_hashed_objects):
+        """torch's (FakeTensorMode._cache_key calls it on the op's args and kwargs, and on what they hold), with
+        this mode's fakes and plain values appended directly (see the module doc). The encoding stays one that
+        reads back one way only: every list or tuple is its type, then its length (an int, where torch's
+        own, used for anything else, writes a "length_N" string), then its items; a fake is one tuple; a plain
+        value its type, then itself."""
+        if not _FAST_KEY or self.shape_env is not None or isinstance(args, dict):
+            return super()._prep_args_for_hash(result, args, state, id_hashed_objects)
+        if isinstance(args, (list, tuple)):
+            result.append(type(args))
+            result.append(len(args))
+        for arg in args:
+            if type(arg) is FakeTensor and arg.fake_mode is self and arg.constant is None \
+                    and arg.layout is torch.strided:
+                result.append((FakeTensor, arg.dtype, arg.shape, arg.stride(), arg.fake_device, arg.layout,
+                               arg.storage_offset(), arg.untyped_storage().nbytes(), arg.requires_grad,
+                               arg.is_quantized, arg.is_conj(), arg.is_neg(), arg.is_inference()))
+            elif type(arg) in _PLAIN:
+                result.append(type(arg))
+                result.append(arg)
+            elif isinstance(arg, (list, tuple)):
+                self._prep_args_for_hash(result, arg, state, id_hashed_objects)
+            else:  # torch's rules: other tensors (which bypass the cache), symbolic values, callables, dicts
+                super()._prep_args_for_hash(result, (arg,), state, id_hashed_objects)
+
+
+def only_tensor(args, kwargs):
+    """The op's first argument when it is its only tensor (a view's `self`; a plain loop, as pytree costs more
+    than the view itself), else None."""
+    first = args[0] if args else None
+    if not isinstance(first, torch.Tensor):
+        return None
+    for value in (*args[1:], *kwargs.values()):
+        if isinstance(value, torch.Tensor) or (
+                isinstance(value, (list, tuple)) and any(isinstance(v, torch.Tensor) for v in value)):
+            return None
+    return first
