@@ -25,7 +25,8 @@ An estimate point is tens of thousands of aten ops through FakeTensorMode (a nan
    which is a function of shape and strides (both in the tuple); anything else (sparse, constant or foreign
    tensors, symbolic values, dicts) is keyed by torch's own code. The key decides only which cached output is
    rebuilt, so a key that tells apart every input torch's tells apart gives the same outputs. Used only while
-   torch's key is made of the fields listed here (`_KEYED_FIELDS`): a torch that adds one falls back to its own.
+   torch's key is made of the fields listed here (`_KEYED_FIELDS`) and its method has the arguments known here:
+   another torch (the GPU image's) falls back to its own.
 
 tests/test_fast_fake.py compares every view op's output with FakeTensorMode's own, checks that the key tells
 apart what torch's tells apart, and runs a step with FakeTensorMode's cache cross-check on; the estimate == cpu
@@ -35,6 +36,7 @@ tests check the bytes.
 from __future__ import annotations
 
 import dataclasses
+import inspect
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode, TensorMetadata, in_kernel_invocation_manager
@@ -51,7 +53,9 @@ _PLAIN = {int, float, bool, str, type(None), torch.dtype, torch.device, torch.la
 _KEYED_FIELDS = ("dtype", "shape", "stride", "device", "layout", "memory_format", "storage_offset", "storage_bytes",
                  "requires_grad", "is_quantized", "is_conj", "is_neg", "is_inference", "is_sparse", "is_coalesced",
                  "dense_dim", "sparse_dim")
-_FAST_KEY = tuple(field.name for field in dataclasses.fields(TensorMetadata)) == _KEYED_FIELDS
+_FAST_KEY = (tuple(field.name for field in dataclasses.fields(TensorMetadata)) == _KEYED_FIELDS
+             and list(inspect.signature(FakeTensorMode._prep_args_for_hash).parameters)
+             == ["self", "result", "args", "state", "id_hashed_objects"])
 
 
 class FastFakeTensorMode(FakeTensorMode):
@@ -70,14 +74,14 @@ class FastFakeTensorMode(FakeTensorMode):
                 return type(out)(map(wrap, out)) if isinstance(out, (list, tuple)) else wrap(out)
         return super().dispatch(func, types, args, kwargs)
 
-    def _prep_args_for_hash(self, result, args, state, id_hashed_objects):
+    def _prep_args_for_hash(self, result, args, *rest):
         """torch's (FakeTensorMode._cache_key calls it on the op's args and kwargs, and on what they hold), with
         this mode's fakes and plain values appended directly (see the module doc). The encoding stays one that
         reads back one way only: every list or tuple is its type, then its length (an int, where torch's
         own, used for anything else, writes a "length_N" string), then its items; a fake is one tuple; a plain
         value its type, then itself."""
         if not _FAST_KEY or self.shape_env is not None or isinstance(args, dict):
-            return super()._prep_args_for_hash(result, args, state, id_hashed_objects)
+            return super()._prep_args_for_hash(result, args, *rest)
         if isinstance(args, (list, tuple)):
             result.append(type(args))
             result.append(len(args))
@@ -91,9 +95,9 @@ class FastFakeTensorMode(FakeTensorMode):
                 result.append(type(arg))
                 result.append(arg)
             elif isinstance(arg, (list, tuple)):
-                self._prep_args_for_hash(result, arg, state, id_hashed_objects)
+                self._prep_args_for_hash(result, arg, *rest)
             else:  # torch's rules: other tensors (which bypass the cache), symbolic values, callables, dicts
-                super()._prep_args_for_hash(result, (arg,), state, id_hashed_objects)
+                super()._prep_args_for_hash(result, (arg,), *rest)
 
 
 def only_tensor(args, kwargs):
