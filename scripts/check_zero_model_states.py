@@ -34,7 +34,11 @@ torch's CachingHostAllocator does), and what of ours it leaves (`ours - hand`):
   device, zero2: 2P (the bf16 weights, whole) + the largest parameter in bf16 (temp_grad_buffer_for_gpu_offload):
          the formula's 2P without that buffer. zero3: the reduce bucket (2R bytes) + the persistent parameters
          (below stage3_param_persistence_threshold, kept gathered): the formula's 4L (the largest layer's bf16
-         weights and gradients, gathered in forward/backward) is a transient, in `device peak`.
+         weights and gradients, gathered in forward/backward) is a transient, in `device peak`. Both stages
+         also hold what the formulas leave out: the batch and the model's buffers (rotary inv_freq), the loss
+         and DeepSpeed's _global_grad_norm (a 0-dim fp32 tensor step() keeps), and, for a buffer that opens
+         a segment of its own (the flat weights, the reduce bucket), the rest of its 2 MiB-rounded segment
+         when that is not over 1 MiB, which CUDA's allocator hands out with the block (`own_segment`).
   host, zero2: pinned fp32 master partition, its bf16 copy buffer, the largest parameter's gradient buffer, the
          fp32 gradient partition; AdamW's moments (8p): equal to ours to the byte. The formula: 16P per node
          (fp32 master, fp32 gradients, moments: 16 B per parameter over the node's ranks), or 4P per GPU when
@@ -69,7 +73,7 @@ import pandas as pd
 import torch
 
 from vlmprobe.distributed.ranks import simulate_elsewhere
-from vlmprobe.models.base import count_params
+from vlmprobe.models.base import DataShape, count_params
 from vlmprobe.plan import plan_overrides
 from vlmprobe.results import GiB
 from vlmprobe.worker import build_spec
@@ -85,12 +89,17 @@ def planned_config(overrides: list[str]) -> dict:
     return point.config
 
 
-def sizes(config: dict) -> tuple[int, int, list[int]]:
-    """(P, L) as deepspeed.runtime.zero.stage3.model_to_params counts them, on the meta device, and every
-    parameter's size."""
-    model = build_spec(config["model"]).build(torch.device("meta"), torch.bfloat16, init=False)
+def sizes(config: dict) -> tuple[int, int, list[int], int]:
+    """(P, L) as deepspeed.runtime.zero.stage3.model_to_params counts them, on the meta device, every
+    parameter's size, and the device blocks of what is neither parameter nor DeepSpeed's: the point's batch
+    (input ids, labels, pixel values, ...: the step's input, alive between steps) and the model's buffers
+    (rotary inv_freq: ZeRO partitions parameters only)."""
+    spec = build_spec(config["model"])
+    model = spec.build(torch.device("meta"), torch.bfloat16, init=False)
     largest = max(sum(p.numel() for p in m.parameters(recurse=False)) for m in model.modules())
-    return count_params(model)[0], largest, [p.numel() for p in model.parameters()]
+    batch = spec.batch(DataShape.from_config(config["data"]), torch.device("meta"))
+    inputs = [t for t in batch.values() if isinstance(t, torch.Tensor)] + list(model.buffers())
+    return count_params(model)[0], largest, [p.numel() for p in model.parameters()], sum(block(t.nbytes) for t in inputs)
 
 
 def partition(stage: int, numels: list[int], world: int) -> int:
@@ -126,13 +135,33 @@ def block(nbytes: int) -> int:
     return -(-nbytes // 512) * 512
 
 
+MiB = 2**20
+
+
+def own_segment(nbytes: int) -> int:
+    """The block of a buffer that opens a segment of its own (made at initialize, when nothing cached fits):
+    CUDA's caching allocator rounds a request of 10 MiB or more up to 2 MiB for its segment, and hands out
+    the whole segment when what is left is not over 1 MiB (the large pool splits only larger remainders)."""
+    size = block(nbytes)
+    if size < 10 * MiB:  # a 2 or 20 MiB segment: always split
+        return size
+    segment = -(-size // (2 * MiB)) * 2 * MiB
+    return segment if segment - size <= MiB else size
+
+
+SCALARS = 2 * block(4)  # the loss (alive until the next forward) and _global_grad_norm (kept by step(), fp32)
+
+
 # Hand counts of what a rank keeps between steps under offload (bf16 weights, fp32 master), each buffer named
 # after the DeepSpeed 0.19.8 code that makes it; p: rank 0's partition (elements), Lp: the largest parameter,
 # R: reduce_bucket_size, S: the parameters stage 3 keeps gathered (below stage3_param_persistence_threshold),
 # subgroups: stage 3's sub groups of rank 0's partition (elements each)
+# (both: + the batch and the model's buffers, B, and the two scalars)
 HAND_DEVICE = {
-    2: lambda r: block(2 * r.N * r.p) + block(2 * r.Lp),  # bf16 flat weights (whole); temp_grad_buffer_for_gpu_offload
-    3: lambda r: block(2 * r.R) + r.S}  # the ipg reduce bucket (bf16); the persistent parameters, gathered
+    # bf16 flat weights (whole); temp_grad_buffer_for_gpu_offload
+    2: lambda r: own_segment(2 * r.N * r.p) + own_segment(2 * r.Lp) + r.B + SCALARS,
+    # the ipg reduce bucket (bf16); the persistent parameters, gathered
+    3: lambda r: own_segment(2 * r.R) + r.S + r.B + SCALARS}
 HAND_HOST = {
     # pinned: the fp32 master partition, its bf16 copy buffer (param_buffer_of_bit16_for_cpu_offload_groups),
     # temp_grad_buffer_for_cpu_offload (the largest parameter, bf16), the fp32 gradient partition; AdamW's moments
@@ -166,7 +195,7 @@ def deepspeed_formula(stage: int, params: int, largest: int, world: int, offload
                                                  cpu_offload_params=offload, zero_init=True)[:2]
 
 
-RAW = ["model", "stage", "N", "offload", "P", "L", "R", "p", "Lp", "S", "subgroups", "after_load_bytes", "after_step_bytes", "params_bytes",
+RAW = ["model", "stage", "N", "offload", "P", "L", "R", "p", "Lp", "S", "B", "subgroups", "after_load_bytes", "after_step_bytes", "params_bytes",
        "grads_bytes", "optimizer_state_bytes", "peak_allocated_bytes", "after_step_host_bytes", "peak_host_bytes",
        "simulation_s"]
 OFFLOAD = {2: ["dist.offload_optimizer=cpu"], 3: ["dist.offload_optimizer=cpu", "dist.offload_param=cpu"]}
@@ -178,14 +207,14 @@ def simulate(models: list[str], stages: list[int], worlds: list[int], offload: b
     `save` (CSV) as each one ends."""
     raw = []
     for model in models:
-        params = largest = numels = None
+        params = largest = numels = inputs = None
         for stage in stages:
             for world in worlds:
                 config = planned_config([f"model={model}", *SETUP, *SHORT.get(model, []), f"dist=zero{stage}",
                                          f"dist.world_size={world}", "measure.backend=estimate",
                                          *(OFFLOAD[stage] if offload else [])])
                 if params is None:
-                    params, largest, numels = sizes(config)
+                    params, largest, numels, inputs = sizes(config)
                 started = time.perf_counter()
                 row = simulate_elsewhere(config, 0)
                 took = round(time.perf_counter() - started, 1)
@@ -196,7 +225,7 @@ def simulate(models: list[str], stages: list[int], worlds: list[int], offload: b
                 raw.append({**{k: row[k] for k in RAW if k in row}, "model": model, "stage": stage, "N": world,
                             "offload": offload,
                             "P": params, "L": largest, "R": config["dist"]["reduce_bucket_size"], "simulation_s": took,
-                            "p": partition(stage, numels, world), "Lp": max(numels),
+                            "p": partition(stage, numels, world), "Lp": max(numels), "B": inputs,
                             "S": sum(block(2 * n) for n in numels
                                      if n < config["dist"].get("stage3_param_persistence_threshold", 0)),
                             "subgroups": " ".join(map(str, sub_groups([math.ceil(n / world) for n in numels])))})
@@ -230,9 +259,9 @@ def compare_offload(raw: pd.DataFrame) -> pd.DataFrame:
         rows.append({"model": r.model, "stage": r.stage, "N": r.N,
                      "device after step (ours)": r.after_step_bytes / GiB, "DeepSpeed GPU": gpu / GiB,
                      "device peak (ours)": r.peak_allocated_bytes / GiB,
-                     "device: ours - hand": (r.after_step_bytes - HAND_DEVICE[r.stage](r)) / GiB,
+                     "device: ours - hand, B": int(r.after_step_bytes - HAND_DEVICE[r.stage](r)),
                      "host after step, rank (ours)": r.after_step_host_bytes / GiB,
-                     "host: ours - hand": (r.after_step_host_bytes - HAND_HOST[r.stage](r)) / GiB,
+                     "host: ours - hand, B": int(r.after_step_host_bytes - HAND_HOST[r.stage](r)),
                      "host after step, node (ours)": node * r.after_step_host_bytes / GiB,
                      "DeepSpeed CPU, node": cpu / BUFFER_FACTOR / GiB,
                      "ours / DeepSpeed, host": node * r.after_step_host_bytes / (cpu / BUFFER_FACTOR),
@@ -263,7 +292,7 @@ def main() -> int:
               "estimate_zero{2,3}_model_states_mem_needs, cpu_offload=False.")
     if offloaded.any():
         print(compare_offload(raw[offloaded]).to_markdown(index=False, floatfmt=".3f"))
-        print("\nGiB = 1024^3 bytes. Ours: backend estimate, rank 0, host buffers told apart "
+        print("\nGiB = 1024^3 bytes; `ours - hand` in bytes. Ours: backend estimate, rank 0, host buffers told apart "
               "(vlmprobe.distributed.host_memory); a node holds min(N, 8) ranks. DeepSpeed: "
               "estimate_zero{2,3}_model_states_mem_needs with cpu_offload=True (stage 3: cpu_offload_params=True, "
               "zero_init=True), CPU bytes divided by its additional_buffer_factor 1.5.")
