@@ -202,12 +202,10 @@ def storage_tensors(tree, found: list | None = None) -> list[torch.Tensor]:
     general one cost a sixth of a fake op."""
     found = [] if found is None else found
     if isinstance(tree, torch.Tensor):
-        if tree.layout != torch.strided:
-            pass
-        elif is_traceable_wrapper_subclass(tree):
+        if tree.layout == torch.strided and is_traceable_wrapper_subclass(tree):
             names, _ = tree.__tensor_flatten__()
             storage_tensors([getattr(tree, name) for name in names], found)
-        else:
+        elif tree.layout == torch.strided:
             found.append(tree)
     elif isinstance(tree, (list, tuple)):
         for item in tree:
