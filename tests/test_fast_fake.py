@@ -140,7 +140,7 @@ def test_the_fast_key_reads_lists_back_one_way_only():
 def test_a_training_step_with_fake_tensor_modes_cache_cross_check_on_finds_no_difference(point):
     """FakeTensorMode's own check: every cache hit is compared with a fresh dispatch of the op (it raises on any
     difference in the output's metadata), over a whole step: forward, backward, AdamW's foreach ops. (torch's
-    own patch of its config: monkeypatch's undo left the key unreadable under pytest 9.)"""
+    own patch of its config: monkeypatch's undo left the key unreadable under CI's pytest 9.2.0)"""
     from vlmprobe.worker import measure
 
     config = point(["model=nanovlm_tiny", "data.lm_max_length=32", "measure.backend=estimate"])
