@@ -75,7 +75,7 @@ import torch
 from vlmprobe.distributed.ranks import simulate_elsewhere
 from vlmprobe.models.base import DataShape, count_params
 from vlmprobe.plan import plan_overrides
-from vlmprobe.results import GiB
+from vlmprobe.results import GiB, MiB
 from vlmprobe.worker import build_spec
 
 SETUP = ["train.param_dtype=bfloat16", "train.autocast_dtype=null", "data.batch_size=1"]
@@ -135,13 +135,12 @@ def block(nbytes: int) -> int:
     return -(-nbytes // 512) * 512
 
 
-MiB = 2**20
-
-
 def own_segment(nbytes: int) -> int:
     """The block of a buffer that opens a segment of its own (made at initialize, when nothing cached fits):
     CUDA's caching allocator rounds a request of 10 MiB or more up to 2 MiB for its segment, and hands out
-    the whole segment when what is left is not over 1 MiB (the large pool splits only larger remainders)."""
+    the whole segment when what is left is not over 1 MiB (the large pool splits only larger remainders). Written
+    out here rather than taken from vlmprobe.estimate.allocator, so that the hand count stays independent of
+    the model it checks."""
     size = block(nbytes)
     if size < 10 * MiB:  # a 2 or 20 MiB segment: always split
         return size

@@ -132,7 +132,12 @@ def test_the_fast_key_tells_apart_every_input_torchs_key_tells_apart():
 
 def test_the_fast_key_reads_lists_back_one_way_only():
     mode = FastFakeTensorMode()
-    encode = lambda args: (lambda r: (mode._prep_args_for_hash(r, args, _CacheKeyState(None), []), tuple(r))[1])([])  # noqa: E731
+
+    def encode(args):
+        result = []
+        mode._prep_args_for_hash(result, args, _CacheKeyState(None), [])
+        return tuple(result)
+
     assert encode(([2, 3], 4)) != encode(([2, 3, 4],)) != encode((torch.Size([2, 3]), 4))
     assert encode((1,)) != encode((1.0,)) != encode((True,))  # equal in Python, different dtypes in torch
 

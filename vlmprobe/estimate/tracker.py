@@ -141,7 +141,7 @@ class LiveBytesTracker(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func is _DEVICE:  # C++ asks each fake tensor's device several times an op: no storage to see
             # a fake tensor's is answered by FakeTensorMode's own handler here rather than two dispatch layers
-            # down (the fake-view mode, then FakeTensorMode): ~45k asks in a nanoVLM-222M step pair
+            # down (the fast fake mode's dispatch, then FakeTensorMode's): ~45k asks in a nanoVLM-222M step pair
             return _fake_device(args) if isinstance(args[0], FakeTensor) else func(*args)
         kwargs = kwargs or {}
         if aliases_inputs(func):  # a view (about a quarter of a ZeRO-3 step's ops): nothing new to charge
