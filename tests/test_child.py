@@ -53,3 +53,24 @@ def test_ctrl_c_of_the_sweep_ends_the_childs_whole_group_then_goes_on(tmp_path):
     pid = grandchild(tmp_path)
     time.sleep(0.2)
     assert not alive(pid)
+
+
+def test_a_forked_child_gives_back_what_it_printed_and_its_exit_code():
+    def fails():
+        print("before the failure")
+        raise ValueError("the target's own error")
+
+    assert child.run_forked(lambda: print("from the child"), timeout=30) == (0, "from the child\n", "")
+    code, stdout, stderr = child.run_forked(fails, timeout=30)
+    assert (code, stdout) == (1, "before the failure\n")
+    assert stderr.rstrip().endswith("ValueError: the target's own error")
+
+
+def test_a_forked_child_past_its_timeout_is_killed_with_everything_it_started(tmp_path):
+    import subprocess
+
+    code, _, _ = child.run_forked(lambda: subprocess.run(started_grandchild(tmp_path)), timeout=1)
+    assert code is None
+    pid = grandchild(tmp_path)
+    time.sleep(0.2)
+    assert not alive(pid)

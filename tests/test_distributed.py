@@ -11,7 +11,8 @@ from hydra.utils import instantiate
 
 from conftest import run_cli
 from vlmprobe.distributed import options
-from vlmprobe.distributed.ranks import RANK_VALUE_COLUMNS, measure_point, point_row, rank_groups
+from vlmprobe.distributed.ranks import (RANK_VALUE_COLUMNS, measure_point, point_row, rank_groups, simulate_elsewhere,
+                                        simulate_rank)
 from vlmprobe.errors import ConfigError
 from vlmprobe.worker import measure
 
@@ -67,6 +68,25 @@ def real_local_shapes(point_cfg, rank, world):
         engine = FSDP2Engine(point_cfg, torch.device("meta"))  # materialises on meta: shapes only
         engine.wrap(spec, model)
         return [tuple(engine.local(p).shape) for p in model.parameters()]
+
+
+def test_a_rank_simulated_in_a_forked_child_equals_one_in_a_fresh_interpreter_and_one_in_this_process(point):
+    # DeepSpeed ranks are simulated in a child (its process groups are module globals); FSDP2's ranks run the
+    # same way here, without DeepSpeed (CI has none)
+    cfg = point(["model=nanovlm_tiny", *TINY, "dist=fsdp2", "dist.world_size=2", "measure.backend=estimate"])
+    forked = simulate_elsewhere(cfg, 1, fork=True)
+    fresh = simulate_elsewhere(cfg, 1, fork=False)
+    here = simulate_rank(cfg, 1, measure)
+    assert forked["status"] == fresh["status"] == here["status"] == "ok", (forked.get("error"), fresh.get("error"))
+    assert {k: forked.get(k) for k in BYTES} == {k: fresh.get(k) for k in BYTES} == {k: here.get(k) for k in BYTES}
+    assert forked["peak_allocated_bytes"] > 0
+
+
+def test_a_rank_whose_simulation_fails_in_a_forked_child_is_a_row_with_the_error(point):
+    cfg = point(["model=nanovlm_tiny", *TINY, "dist=fsdp2", "dist.world_size=2", "measure.backend=estimate"])
+    cfg["model"]["_target_"] = "vlmprobe.models.no_such_module.Spec"  # fails inside the child, after planning
+    row = simulate_elsewhere(cfg, 0, fork=True)
+    assert row["status"] == "error" and "no_such_module" in row["error"]
 
 
 @pytest.mark.parametrize("model,world", [("nanovlm_tiny", 3), ("qwen2_vl_tiny", 4)])

@@ -58,6 +58,27 @@ def test_a_view_of_a_constant_keeps_its_value_as_fake_tensor_mode_does(mode):
     assert part.constant is not None and part.constant.tolist() == [[7]]
 
 
+def item_reads(mode):
+    """AdamW's step counter as it is used: made from Python data, added to in place, read; a read of a
+    non-constant fake too, which has no value to give."""
+    with mode:
+        step = torch.tensor(0.0)
+        reads = []
+        for _ in range(3):
+            step.add_(1)
+            reads.append(step.item())
+            reads.append((1 - 0.9 ** step).item())  # bias correction, on a new constant
+        with pytest.raises(torch._subclasses.fake_tensor.DataDependentOutputException):
+            torch.empty(1).item()
+    return reads
+
+
+def test_reading_a_constants_value_gives_what_fake_tensor_mode_gives():
+    expected = item_reads(FakeTensorMode())
+    assert item_reads(FastFakeTensorMode()) == expected
+    assert expected[0::2] == [1.0, 2.0, 3.0]
+
+
 def test_a_bad_view_raises_as_torch_does():
     with FastFakeTensorMode(), pytest.raises(RuntimeError, match="invalid for input of size"):
         torch.empty(12).view(5, 5)
