@@ -38,7 +38,15 @@ def test_a_child_past_its_timeout_is_killed_with_everything_it_started(tmp_path)
     assert not alive(pid)
 
 
-def test_ctrl_c_of_the_sweep_ends_the_childs_whole_group_then_goes_on(tmp_path):
+def forked_shell(command, timeout):
+    import subprocess
+
+    return child.run_forked(lambda: subprocess.run(command), timeout)
+
+
+@pytest.mark.parametrize("run", [lambda command, timeout: child.run(command, None, None, timeout), forked_shell],
+                         ids=["command", "forked"])
+def test_ctrl_c_of_the_sweep_ends_the_childs_whole_group_then_goes_on(tmp_path, run):
     def interrupt(*_):
         raise KeyboardInterrupt
 
@@ -46,7 +54,7 @@ def test_ctrl_c_of_the_sweep_ends_the_childs_whole_group_then_goes_on(tmp_path):
     signal.alarm(1)
     try:
         with pytest.raises(KeyboardInterrupt):
-            child.run(started_grandchild(tmp_path), None, None, timeout=30)
+            run(started_grandchild(tmp_path), timeout=30)
     finally:
         signal.alarm(0)
         signal.signal(signal.SIGALRM, previous)
@@ -67,9 +75,7 @@ def test_a_forked_child_gives_back_what_it_printed_and_its_exit_code():
 
 
 def test_a_forked_child_past_its_timeout_is_killed_with_everything_it_started(tmp_path):
-    import subprocess
-
-    code, _, _ = child.run_forked(lambda: subprocess.run(started_grandchild(tmp_path)), timeout=1)
+    code, _, _ = forked_shell(started_grandchild(tmp_path), timeout=1)
     assert code is None
     pid = grandchild(tmp_path)
     time.sleep(0.2)
