@@ -18,8 +18,6 @@ import signal
 import subprocess
 import sys
 import threading
-import time
-import traceback
 
 
 class Children:
@@ -80,79 +78,54 @@ def start(command: list[str], env: dict | None, children: Children | None = None
     return proc
 
 
-class Forked:
-    """`target()` in a child forked from this process, in a session of its own (as `start` gives a command),
-    its stdout and stderr in files; `pid` and `returncode` as on a Popen, for kill_group and Children."""
-
-    def __init__(self, target):
-        import tempfile
-
-        self.returncode = None
-        self._files = [tempfile.TemporaryFile("w+") for _ in range(2)]
-        ready, grouped = os.pipe()
-        self.pid = os.fork()
-        if self.pid == 0:  # the child: never returns
-            code = 1
-            try:
-                os.setsid()
-                os.close(grouped)  # its own group now: kill_group reaches it from here on
-                for fd, file in zip((1, 2), self._files):
-                    os.dup2(file.fileno(), fd)
-                # new stream objects: a thread of the parent may have held the old ones' locks when it forked
-                sys.stdout = open(1, "w", closefd=False)
-                sys.stderr = open(2, "w", closefd=False)
-                target()
-                code = 0
-            except BaseException:
-                traceback.print_exc()
-            finally:
-                with contextlib.suppress(BaseException):
-                    sys.stdout.flush()
-                    sys.stderr.flush()
-                os._exit(code)  # not the parent's atexit handlers, nor its buffered files' flushes
-        os.close(grouped)
-        os.read(ready, 1)  # returns once the child has closed its end: it leads its own group
-        os.close(ready)
-
-    def wait(self, timeout: float | None = None) -> int | None:
-        """The exit code, or None while the child still runs after `timeout` seconds."""
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while self.returncode is None:
-            pid, status = os.waitpid(self.pid, os.WNOHANG)
-            if pid:
-                self.returncode = os.waitstatus_to_exitcode(status)
-            elif deadline is not None and time.monotonic() > deadline:
-                return None
-            else:
-                time.sleep(0.05)
-        return self.returncode
-
-    def outputs(self) -> tuple[str, str]:
-        """What the child wrote to its stdout and stderr (read once it has ended)."""
-        texts = []
-        for file in self._files:
-            file.seek(0)
-            texts.append(file.read())
-            file.close()
-        return texts[0], texts[1]
-
-
 def run_forked(target, timeout: float | None) -> tuple[int | None, str, str]:
-    """run() for `target()` in a child forked from this process: (exit code: 1 if it raised, None if it outlived
-    `timeout` and was killed with its group; stdout; stderr)."""
-    proc = Forked(target)
+    """run() for `target()` in a child forked from this process (multiprocessing's fork context), in a session of
+    its own as `start` gives a command: (exit code: 1 if it raised, with the traceback on stderr; None if it
+    outlived `timeout` and was killed with its group; stdout; stderr)."""
+    import multiprocessing
+    import tempfile
+
+    files = [tempfile.TemporaryFile("w+") for _ in range(2)]  # stdout, stderr: no pipe to fill up
+    ready, grouped = multiprocessing.Pipe(duplex=False)
+    proc = multiprocessing.get_context("fork").Process(target=_in_own_session, args=(target, files, grouped))
+    proc.start()
+    grouped.close()
     try:
-        code = proc.wait(timeout)
+        with contextlib.suppress(EOFError):  # EOF: it died before saying so
+            ready.recv()  # it leads its own group now: kill_group reaches everything it starts
+        proc.join(timeout)
+        code = proc.exitcode
         if code is None:
             kill_group(proc)
-            proc.wait()
-        return (code, *proc.outputs())
+            proc.join()
+        outputs = []
+        for file in files:
+            file.seek(0)
+            outputs.append(file.read())
+        return code, outputs[0], outputs[1]
     except BaseException:  # Ctrl-C in the sweep, as in run()
         kill_group(proc)
-        proc.wait()
+        proc.join()
         raise
+    finally:
+        ready.close()
+        for file in files:
+            file.close()
 
 
-def kill_group(proc: subprocess.Popen) -> None:
+def _in_own_session(target, files, grouped) -> None:
+    os.setsid()
+    grouped.send(True)
+    grouped.close()
+    for fd, file in zip((1, 2), files):
+        os.dup2(file.fileno(), fd)
+    # new stream objects: a thread of the parent may have held the old ones' locks when it forked
+    sys.stdout = open(1, "w", closefd=False)
+    sys.stderr = open(2, "w", closefd=False)
+    target()
+
+
+def kill_group(proc) -> None:
+    """End the group `proc` leads (a Popen from start(), or run_forked's multiprocessing Process)."""
     with contextlib.suppress(ProcessLookupError):
         os.killpg(proc.pid, signal.SIGKILL)

@@ -70,9 +70,9 @@ def simulate(config: dict, measure) -> dict[int, dict]:
     replace: each DeepSpeed rank is simulated in a child process (simulate_elsewhere); the torch engines run in
     this one."""
     rows = {}
-    fresh = config["dist"]["name"].startswith("zero")
+    in_child = config["dist"]["name"].startswith("zero")
     for group in rank_groups(config):
-        row = simulate_elsewhere(config, group[0]) if fresh else simulate_rank(config, group[0], measure)
+        row = simulate_elsewhere(config, group[0]) if in_child else simulate_rank(config, group[0], measure)
         for rank in group:
             rows[rank] = {**row, "simulated_as": group[0]}
     return rows
