@@ -80,3 +80,18 @@ def test_a_forked_child_past_its_timeout_is_killed_with_everything_it_started(tm
     pid = grandchild(tmp_path)
     time.sleep(0.2)
     assert not alive(pid)
+
+
+def test_a_forked_child_runs_torch_ops_after_the_parent_has_run_them_on_several_threads():
+    import torch
+
+    def parallel_op():  # repeat_interleave over more than one grain: a parallel region when threads > 1
+        return torch.arange(200_000).repeat_interleave(2).sum().item()
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)  # GNU OpenMP's pool, which a fork does not copy, exists from here on
+    try:
+        expected = parallel_op()
+        assert child.run_forked(lambda: print(parallel_op()), timeout=30) == (0, f"{expected}\n", "")
+    finally:
+        torch.set_num_threads(threads)

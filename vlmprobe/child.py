@@ -122,6 +122,11 @@ def _in_own_session(target, files, grouped) -> None:
     # new stream objects: a thread of the parent may have held the old ones' locks when it forked
     sys.stdout = open(1, "w", closefd=False)
     sys.stderr = open(2, "w", closefd=False)
+    if "torch" in sys.modules:
+        # GNU OpenMP's threads do not survive a fork: a parallel region in the child would wait for the parent's
+        # pool forever (seen: repeat_interleave in a ZeRO-3 rank's child, once the parent had run one). With one
+        # thread torch runs every op inline, as DataLoader's forked workers do
+        sys.modules["torch"].set_num_threads(1)
     target()
 
 
