@@ -1,14 +1,18 @@
 #!/usr/bin/env python
-"""FSDP2 per rank: the estimate (one simulation per group of identical ranks, fake process group) against
-the cpu backend (N real processes on gloo, real CPU tensors), for every rank; the two must be equal to the
-byte in every memory column. Prints one row per (model, world size, rank).
+"""FSDP2 and DDP per rank: the estimate (one simulation per group of identical ranks, fake process group)
+against the cpu backend (N real processes on gloo, real CPU tensors), for every rank; the two must be equal to
+the byte in every memory column (each differing column is printed with both values). Prints one row per
+(dist, model, world size, rank). Under DDP the real side's load columns can be higher on a rank now and then:
+the flat copy DDP broadcasts the parameters through can still be held by gloo's worker thread when the load
+is read (README, "Several GPUs").
 
-    python scripts/check_distributed.py [--worlds 2,4] [--models nanovlm_tiny,qwen2_vl_tiny]
+    python scripts/check_distributed.py [--dists fsdp2,ddp] [--worlds 2,4] [--models nanovlm_tiny,qwen2_vl_tiny]
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import sys
 
@@ -29,22 +33,24 @@ def run(overrides: list[str]) -> dict:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--dists", default="fsdp2,ddp")
     parser.add_argument("--worlds", default="2,4")
     parser.add_argument("--models", default="nanovlm_tiny,qwen2_vl_tiny")
     args = parser.parse_args()
     rows = []
-    for model in args.models.split(","):
-        for world in map(int, args.worlds.split(",")):
-            base = [f"model={model}", "data.batch_size=2", "data.lm_max_length=64", "dist=fsdp2",
-                    f"dist.world_size={world}"]
-            estimate, cpu = (run(base + [f"measure.backend={b}"]) for b in ("estimate", "cpu"))
-            for e, c in zip(estimate["ranks"], cpu["ranks"]):
-                differing = [k for k in BYTES if e.get(k) != c.get(k)]
-                rows.append({"model": model, "world_size": world, "rank": e["rank"], "simulated_as": e["simulated_as"],
-                             "estimate peak B": e["peak_allocated_bytes"], "cpu peak B": c["peak_allocated_bytes"],
-                             "estimate peak MiB": round(e["peak_allocated_bytes"] / MiB, 3),
-                             "columns that differ": ", ".join(differing) or "none",
-                             "status": f"{e['status']}/{c['status']}"})
+    for dist, model, world in itertools.product(args.dists.split(","), args.models.split(","),
+                                                map(int, args.worlds.split(","))):
+        base = [f"model={model}", "data.batch_size=2", "data.lm_max_length=64", f"dist={dist}",
+                f"dist.world_size={world}"]
+        estimate, cpu = (run(base + [f"measure.backend={b}"]) for b in ("estimate", "cpu"))
+        for e, c in zip(estimate["ranks"], cpu["ranks"]):
+            differing = [k for k in BYTES if e.get(k) != c.get(k)]
+            rows.append({"dist": dist, "model": model, "world_size": world, "rank": e["rank"],
+                         "simulated_as": e["simulated_as"],
+                         "estimate peak B": e["peak_allocated_bytes"], "cpu peak B": c["peak_allocated_bytes"],
+                         "estimate peak MiB": round(e["peak_allocated_bytes"] / MiB, 3),
+                         "columns that differ": ", ".join(f"{k} {e.get(k)}/{c.get(k)}" for k in differing) or "none",
+                         "status": f"{e['status']}/{c['status']}"})
     table = pd.DataFrame(rows)
     print(table.to_markdown(index=False))
     print(f"\nCompared per rank: {', '.join(BYTES)} (bytes; MiB = 1024^2 B). estimate: fake process group, one "

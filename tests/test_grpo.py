@@ -124,7 +124,8 @@ def sharded_ranks(overrides):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("dist", [["dist=fsdp2"], ZERO3], ids=["fsdp2", "zero3"])
+@pytest.mark.parametrize("dist", [["dist=fsdp2"], ZERO3, ["dist=ddp", "dist.bucket_cap_mb=0.25"]],
+                         ids=["fsdp2", "zero3", "ddp"])
 def test_sharded_grpo_estimate_matches_real_gloo_ranks(dist):
     if dist is ZERO3:
         pytest.importorskip("deepspeed")

@@ -38,6 +38,7 @@ import torch.distributed as torch_dist
 
 from vlmprobe.distributed.engines import Engine, storage_bytes
 from vlmprobe.distributed.options import read_deepspeed_config
+from vlmprobe.distributed.process_group import fake_group_active
 from vlmprobe.steps.common import make_optimizer
 
 PRECISION = {"bfloat16": "bf16", "float16": "fp16"}
@@ -102,10 +103,6 @@ def offloads(config: dict) -> bool:
     """Whether a DeepSpeed config offloads the optimizer or the parameters (to the CPU or NVMe)."""
     zero = config.get("zero_optimization") or {}
     return any((zero.get(k) or {}).get("device", "none") not in ("none", None) for k in ("offload_optimizer", "offload_param"))
-
-
-def fake_group_active() -> bool:
-    return torch_dist.is_initialized() and torch_dist.get_backend() == "fake"
 
 
 @functools.cache

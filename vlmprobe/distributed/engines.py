@@ -25,6 +25,7 @@ import contextlib
 import torch
 from torch import nn
 
+from vlmprobe.distributed.process_group import fake_group_active
 from vlmprobe.steps.common import make_optimizer, state_tensors
 from vlmprobe.steps.logprob import unwrapped
 
@@ -101,7 +102,9 @@ class Engine:
         return sum(self.local(p).untyped_storage().nbytes() for p in self.model.parameters())
 
     def grads_bytes(self) -> int:
-        return sum(p.grad.untyped_storage().nbytes() for p in self.model.parameters() if p.grad is not None)
+        # grads may be views of one buffer (DDP's gradient_as_bucket_view, FSDP2's reduce-scatter output, which
+        # it keeps per block): each buffer counted once
+        return storage_bytes(self.local(p.grad) for p in self.model.parameters() if p.grad is not None)
 
     def state_tensors(self) -> list[torch.Tensor]:
         """Optimizer state tensors this rank holds on the device (not AdamW's scalar step counters)."""
@@ -110,12 +113,61 @@ class Engine:
 
 class DDPEngine(Engine):
     """torch DistributedDataParallel: the whole model per rank, plus the gradient buckets DDP allocates
-    when it wraps the model (one flat buffer per bucket of bucket_cap_mb, copies of the grads)."""
+    when it wraps the model (one flat buffer per bucket of bucket_cap_mb, copies of the grads), and again
+    in the first forward after the first backward, when it rebuilds them in the order the grads came.
+
+    On a fake group (the estimate) three places of DDP's C++ need data a fake group or fake tensors do not
+    have: the check that every rank holds the same parameter shapes (answered locally: every simulated rank
+    builds the same model); the rebuild's broadcast of the new bucket assignment, which runs with its integer
+    index tensors real (vlmprobe.estimate.fake_patches.host_index_tensors_real); and each bucket's all-reduce,
+    whose result the reducer takes from the collective's future, which a fake group completes empty
+    (all_reduce_on_fake_group answers it)."""
 
     def wrap(self, spec, model):
         from torch.nn.parallel import DistributedDataParallel
 
-        return DistributedDataParallel(model, bucket_cap_mb=self.dist["bucket_cap_mb"])
+        options = {"bucket_cap_mb": self.dist["bucket_cap_mb"],
+                   "gradient_as_bucket_view": self.dist["gradient_as_bucket_view"]}
+        if not fake_group_active():
+            return DistributedDataParallel(model, **options)
+        from unittest import mock
+
+        with mock.patch("torch.nn.parallel.distributed._verify_param_shape_across_processes"):
+            ddp = DistributedDataParallel(model, **options)
+        ddp.register_comm_hook(None, all_reduce_on_fake_group)
+        ddp.reducer = RebuildWithRealIndices(ddp.reducer)
+        return ddp
+
+
+def all_reduce_on_fake_group(state, bucket):  # unannotated: DDP refuses any return annotation but its own
+    """A bucket's all-reduce as DDP makes it without a hook, on a fake group: divided by the world size and
+    all-reduced in place, the future holding the bucket itself. Its allocations are the default path's: the
+    hook takes the grads copied into the bucket (copy_, where the default divides while copying, mul_out),
+    and divides in place."""
+    import torch.distributed as dist
+
+    tensor = bucket.buffer()
+    tensor.div_(dist.get_world_size())
+    dist.all_reduce(tensor)
+    future = torch.futures.Future()
+    future.set_result(tensor)
+    return future
+
+
+class RebuildWithRealIndices:
+    """DDP's C++ reducer as DDP's Python sees it, its bucket rebuild run with real host index tensors."""
+
+    def __init__(self, reducer):
+        self._reducer = reducer
+
+    def __getattr__(self, name):
+        return getattr(self._reducer, name)
+
+    def _rebuild_buckets(self) -> bool:
+        from vlmprobe.estimate.fake_patches import host_index_tensors_real
+
+        with host_index_tensors_real():
+            return self._reducer._rebuild_buckets()
 
 
 def tower_blocks(spec, model: nn.Module) -> list[nn.Module]:
@@ -183,10 +235,6 @@ class FSDP2Engine(Engine):
 
     def local(self, tensor):
         return tensor.to_local() if hasattr(tensor, "to_local") else tensor
-
-    def grads_bytes(self):
-        # FSDP2 reduce-scatters a block's grads into one buffer and keeps views of it: count each buffer once
-        return storage_bytes(self.local(p.grad) for p in self.model.parameters() if p.grad is not None)
 
     def state_tensors(self):
         return [self.local(t) for t in super().state_tensors()]

@@ -44,6 +44,13 @@ def validate(dist: dict, backend: str, find, visible_gpus) -> None:
     if name == "ddp" and (dist["offload_optimizer"] != "none" or dist["offload_param"] != "none"):
         raise ConfigError("dist.offload_* is not allowed with dist=ddp: DDP keeps everything on the GPU; use "
                           "fsdp2 (offload_param=cpu) or zero1-3 for offload")
+    if name == "ddp":
+        cap = dist["bucket_cap_mb"]
+        if not isinstance(cap, (int, float)) or isinstance(cap, bool) or not cap > 0:
+            raise ConfigError(f"dist.bucket_cap_mb={cap!r} is not allowed: it must be a number of MiB > 0")
+        if not isinstance(dist["gradient_as_bucket_view"], bool):
+            raise ConfigError(f"dist.gradient_as_bucket_view={dist['gradient_as_bucket_view']!r} is not allowed: "
+                              f"use true or false")
     if name == "fsdp2":
         if dist["offload_optimizer"] != "none":
             raise ConfigError(f"dist.offload_optimizer={dist['offload_optimizer']} is not allowed with dist=fsdp2: "
@@ -112,7 +119,4 @@ def skip_reason(dist: dict, backend: str) -> str | None:
                 "offloaded tensors cannot be told apart from device memory (DeepSpeed's can: zero1-3)")
     if name.startswith("zero") and importlib.util.find_spec("deepspeed") is None:
         return f"dist={name} needs DeepSpeed, not installed here: pip install -e \".[deepspeed]\""
-    if name == "ddp" and backend == "estimate":
-        return ("dist=ddp cannot be estimated: DDP's C++ reducer reads tensor data, which fake tensors have none "
-                "of; use backend cpu (real tensors on gloo) or cuda")
     return None

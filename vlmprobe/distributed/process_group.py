@@ -40,6 +40,11 @@ def _with_mesh(device_type: str):
         dist.destroy_process_group()
 
 
+def fake_group_active() -> bool:
+    """Whether this process plays a rank on a fake group (the estimate): collectives move no data."""
+    return dist.is_initialized() and dist.get_backend() == "fake"
+
+
 @contextlib.contextmanager
 def fake_group(rank: int, world_size: int, device_type: str = "cpu", ranks_per_node: int = 8):
     import os

@@ -7,6 +7,7 @@ what a real run of the same synthetic batch does there, so the allocations stay 
 from __future__ import annotations
 
 import contextlib
+import contextvars
 
 from torch import nn
 
@@ -119,3 +120,24 @@ def fake_modules_move_by_data():
         yield
     finally:
         nn.Module.to = to
+
+
+# set while C++ bookkeeping that fills and reads small integer tensors on the host runs on fake tensors (see
+# host_index_tensors_real); FastFakeTensorMode.dispatch reads it
+HOST_INDEX_TENSORS_REAL = contextvars.ContextVar("host_index_tensors_real", default=False)
+
+
+@contextlib.contextmanager
+def host_index_tensors_real():
+    """DDP's bucket rebuild (Reducer::sync_bucket_indices, the first forward after the first backward) writes
+    the new bucket assignment into an `at::empty` int tensor through an accessor, copies it to the device,
+    broadcasts it from rank 0 and reads it back: a fake tensor has no data to write or read. While active, a
+    factory op of an integer dtype, and an op whose tensors are all real and of integer dtypes, run on real
+    tensors (the fake mode steps aside); the rebuilt buckets themselves (float) stay fake. On a fake group the
+    broadcast moves nothing, so each rank reads back its own assignment, which is rank 0's: every simulated
+    rank holds the same model. The tracker charges those index tensors as it charges any storage."""
+    token = HOST_INDEX_TENSORS_REAL.set(True)
+    try:
+        yield
+    finally:
+        HOST_INDEX_TENSORS_REAL.reset(token)

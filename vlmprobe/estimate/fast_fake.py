@@ -47,7 +47,9 @@ import inspect
 import torch
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode, TensorMetadata, in_kernel_invocation_manager
 from torch.utils._mode_utils import no_dispatch
+from torch.utils._pytree import tree_flatten
 
+from vlmprobe.estimate.fake_patches import HOST_INDEX_TENSORS_REAL
 from vlmprobe.estimate.tracker import aliases_inputs
 
 
@@ -69,6 +71,9 @@ _FAST_KEY = (tuple(field.name for field in dataclasses.fields(TensorMetadata)) =
 class FastFakeTensorMode(FakeTensorMode):
     def dispatch(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if HOST_INDEX_TENSORS_REAL.get() and real_integer_op(args, kwargs):  # not a speed-up: see fake_patches
+            with no_dispatch():
+                return func(*args, **kwargs)
         if func is _ITEM and self.shape_env is None:
             source = args[0]
             if type(source) is FakeTensor and source.fake_mode is self and source.constant is not None:
@@ -124,3 +129,13 @@ def only_tensor(args, kwargs):
                 isinstance(value, (list, tuple)) and any(isinstance(v, torch.Tensor) for v in value)):
             return None
     return first
+
+
+def real_integer_op(args, kwargs) -> bool:
+    """Whether every tensor the op takes is a real one of an integer dtype, or, taking none, it makes one of an
+    integer dtype (fake_patches.host_index_tensors_real)."""
+    tensors = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+    if not tensors:
+        dtype = kwargs.get("dtype")
+        return dtype is not None and not dtype.is_floating_point and not dtype.is_complex
+    return all(not isinstance(t, FakeTensor) and not t.is_floating_point() and not t.is_complex() for t in tensors)
