@@ -34,6 +34,9 @@ An estimate point is tens of thousands of aten ops through FakeTensorMode (a nan
    the same way, running the op on the constant with dispatch off, after trying its cache (which refuses
    constants by raising) and converting the arguments: ~0.14 ms a read here.
 
+One branch of dispatch is not a speed-up: inside fake_patches.host_index_tensors_real (DDP's bucket rebuild),
+integer host ops run on real tensors, an answer fake tensors cannot give (see there).
+
 tests/test_fast_fake.py compares every view op's output with FakeTensorMode's own, checks that the key tells
 apart what torch's tells apart, and runs a step with FakeTensorMode's cache cross-check on; the estimate == cpu
 tests check the bytes.
