@@ -39,8 +39,10 @@ def compare_estimate_and_cpu(run_dist, model, world, dist=("dist=fsdp2",), unset
     cpu = run_dist(base + ["measure.backend=cpu"])
     assert estimate["status"] == cpu["status"] == "ok", (estimate.get("error"), cpu.get("error"))
     assert len(cpu["ranks"]) == len(estimate["ranks"]) == world
-    settled = lambda rows: {r: {k: v for k, v in row.items() if k not in unsettled} for r, row in rows.items()}  # noqa: E731
-    assert settled(by_rank(estimate)) == settled(by_rank(cpu))
+    def settled(outputs):
+        return {r: {k: v for k, v in row.items() if k not in unsettled} for r, row in by_rank(outputs).items()}
+
+    assert settled(estimate) == settled(cpu)
     assert {r["backend"] for r in estimate["ranks"]} == {"estimate"} and {r["backend"] for r in cpu["ranks"]} == {"cpu"}
     return estimate, cpu
 
