@@ -197,3 +197,26 @@ def test_fsdp2_estimate_equals_real_gloo_ranks_to_the_byte(point, family):
         assert outputs["status"] == "ok", outputs.get("error")
         ranks[backend] = {r["rank"]: {k: r.get(k) for k in BYTE_COLUMNS} for r in outputs["ranks"]}
     assert ranks["estimate"] == ranks["cpu"] and len(ranks["cpu"]) == 2
+
+
+def test_every_transformers_family_imports_the_modules_the_estimate_answers_in_with_its_own():
+    # the estimate's answers to transformers' data reads (masks, flash attention) are installed where those
+    # modules are imported; a family's module must bring them before any of its models is built
+    import subprocess
+    import sys
+
+    from vlmprobe.models.hf import families
+
+    modules = sorted({cls.__module__ for cls in families().values()})
+    code = ("import importlib, sys\n"
+            "from vlmprobe.models.base import TRANSFORMERS_MODULES\n"
+            "for family in sys.argv[1:]:\n"
+            "    before = [m for m in TRANSFORMERS_MODULES if m in sys.modules]\n"
+            "    importlib.import_module(family)\n"
+            "    print(family, before, all(m in sys.modules for m in TRANSFORMERS_MODULES))\n")
+    proc = subprocess.run([sys.executable, "-c", code, "vlmprobe.models.nanovlm", *modules], capture_output=True,
+                          text=True, timeout=120)
+    lines = proc.stdout.splitlines()
+    assert proc.returncode == 0 and len(lines) == len(modules) + 1, proc.stderr
+    assert lines[0] == "vlmprobe.models.nanovlm [] False"  # our own modules bring none
+    assert all(line.endswith(" True") for line in lines[1:]), lines

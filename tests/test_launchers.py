@@ -200,8 +200,9 @@ class StandInWorker(sweep_module.ServingWorker):
     seconds = 0.05
     made: list = []
 
-    def __init__(self, env, children):
+    def __init__(self, env, children, families=()):
         self.env, self.ready, self.closed, self.took = env, threading.Event(), None, []
+        self.families = families
         self.made_at = time.perf_counter()
         if self.up is not None:
             self.ready.set()
@@ -232,8 +233,9 @@ def inline_pool(monkeypatch, up, points=8, seconds=0.05, start_s=0.0, first_seco
     monkeypatch.setattr(StandInWorker, "up", up)
     monkeypatch.setattr(StandInWorker, "made", [])
     measure = {"timeout_s": 10, "alloc_conf": None, "backend": "estimate", "isolate": "auto"}  # in-process locally
-    items = [SimpleNamespace(config={"measure": measure, "id": str(i)}, point=SimpleNamespace(id=str(i)))
-             for i in range(points)]
+    models = ["vlmprobe.models.nanovlm.NanoVLMSpec", "vlmprobe.models.qwen2_vl.Qwen2VLSpec"]
+    items = [SimpleNamespace(config={"measure": measure, "id": str(i), "model": {"_target_": models[i % 2]}},
+                             point=SimpleNamespace(id=str(i))) for i in range(points)]
     by, ended = {}, {}
 
     def run(item):  # what local does: measure in this process
@@ -250,6 +252,8 @@ def inline_pool(monkeypatch, up, points=8, seconds=0.05, start_s=0.0, first_seco
     assert sorted(by) == [str(i) for i in range(points)]  # every point exactly once ("here" or "worker", not both)
     took = [p for worker in StandInWorker.made for p in worker.took]
     assert sorted(took) == sorted(p for p, who in by.items() if who == "worker")
+    # each worker imports the points' model families before it takes one
+    assert all(w.families == ("vlmprobe.models.nanovlm", "vlmprobe.models.qwen2_vl") for w in StandInWorker.made)
     return by, StandInWorker.made, ended
 
 

@@ -70,3 +70,40 @@ def test_validation_names_the_value_and_what_is_allowed(spec, data, message):
 def test_data_shape_rejects_non_positive_sizes():
     with pytest.raises(ConfigError, match=r"data.batch_size=0 is not allowed: it must be a positive integer"):
         DataShape.from_config({"batch_size": 0, "lm_max_length": 8})
+
+
+def test_a_nanovlm_sweep_never_imports_transformers_modeling_code(tmp_path):
+    # nanoVLM is our own modules: its points skip transformers' modeling code (~5 s of imports) in the sweep
+    # process (planning, provenance, the report) and in the measurement, checkpointing included (LoRA is peft's,
+    # which imports transformers)
+    import subprocess
+    import sys
+
+    code = ("import runpy, sys\n"
+            "sys.argv = ['vlmprobe', 'model=nanovlm_tiny', 'measure.backend=estimate', 'measure.steps=1',\n"
+            "            'train.grad_ckpt.lm=true', 'results_dir=' + sys.argv[1]]\n"
+            "try:\n"
+            "    runpy.run_module('vlmprobe', run_name='__main__')\n"
+            "finally:\n"
+            "    print(sorted(m for m in sys.modules if m.startswith('transformers.')), file=sys.stderr)\n")
+    proc = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, timeout=300)
+    assert "ok, peak" in proc.stderr, proc.stderr
+    assert proc.stderr.strip().splitlines()[-1] == "[]", proc.stderr[-2000:]
+
+
+def test_building_without_init_calls_no_torch_init_function_and_restores_them(spec, monkeypatch):
+    from torch import nn
+
+    from vlmprobe.models.base import torch_init_skipped
+
+    calls = []
+    for name in ("kaiming_uniform_", "uniform_", "normal_", "ones_", "zeros_"):  # Linear, Conv2d, Embedding, norms
+        monkeypatch.setattr(nn.init, name, lambda tensor, *args, _name=name, **kwargs: calls.append(_name))
+    recorders = {name: getattr(nn.init, name) for name in ("kaiming_uniform_", "normal_")}
+    spec("nanovlm_tiny").build(torch.device("meta"), torch.float32, init=False)
+    assert not calls
+    with torch_init_skipped():
+        assert nn.init.normal_ is not recorders["normal_"]
+    assert {name: getattr(nn.init, name) for name in recorders} == recorders
+    nn.Linear(2, 2, device="meta")  # outside it, torch initialises as usual
+    assert calls == ["kaiming_uniform_", "uniform_"]

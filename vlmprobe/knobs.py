@@ -12,6 +12,7 @@ from torch import nn
 
 from vlmprobe.errors import ConfigError
 from vlmprobe.estimate.fake_patches import fake_modules_move_by_data
+from vlmprobe.models.base import is_transformers_model
 
 
 def apply_knobs(spec, model: nn.Module, train: dict) -> None:
@@ -35,10 +36,9 @@ def has_layers(module: nn.Module) -> bool:
     (GradientCheckpointingLayer: transformers 5.23's Mllama vision encoder has none, so its
     gradient_checkpointing_enable keeps every activation), or our own module with `.blocks` (a tower's other
     parts, such as an LM head, have no layers)."""
-    from transformers import PreTrainedModel
-    from transformers.modeling_layers import GradientCheckpointingLayer
+    if is_transformers_model(module):
+        from transformers.modeling_layers import GradientCheckpointingLayer
 
-    if isinstance(module, PreTrainedModel):
         return any(isinstance(m, GradientCheckpointingLayer) for m in module.modules())
     return isinstance(getattr(module, "blocks", None), nn.ModuleList)
 
@@ -50,9 +50,8 @@ def checkpoint_layers(module: nn.Module) -> None:
     import functools
 
     from torch.utils.checkpoint import checkpoint
-    from transformers import PreTrainedModel
 
-    if isinstance(module, PreTrainedModel):
+    if is_transformers_model(module):
         # transformers 5.23 renamed it (the old name warns); the GPU image's 5.17 may have only the old one
         if hasattr(module, "activation_checkpointing_enable"):
             module.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})

@@ -197,7 +197,10 @@ def _run_pool(todo: list, runner, workers: int, bar, gpus: list[str] | None, inl
         if current is None or current.env != env or not current.alive():
             if current is not None:
                 current.close()
-            mine.worker = current = ServingWorker(env, children)
+            # imported before it says READY: the model families of the points (a transformers family brings
+            # transformers' modeling code, ~5 s here; nanoVLM's own modules need none of it)
+            families = sorted({item.config["model"]["_target_"].rpartition(".")[0] for item in todo})
+            mine.worker = current = ServingWorker(env, children, tuple(families))
             serving.append(current)
         return current
 

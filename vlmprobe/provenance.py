@@ -25,14 +25,16 @@ def git_commit() -> str | None:
 
 
 def environment(backend_info: dict, config: dict) -> dict:
+    import importlib.metadata
+
     import torch
-    import transformers
 
     return {
         **backend_info,
         "allocator_conf": config["measure"].get("alloc_conf"),
         "torch": torch.__version__,
-        "transformers": transformers.__version__,
+        # the installed version, read without importing transformers (a sweep of our own models never does)
+        "transformers": importlib.metadata.version("transformers"),
         "torch_cuda": torch.version.cuda,
         "python": platform.python_version(),
         "platform": platform.platform(),

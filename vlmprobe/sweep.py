@@ -81,10 +81,11 @@ class ServingWorker:
 
     STDERR_LINES = 400  # lines of stderr kept, for a failed row's tail
 
-    def __init__(self, env: dict, children: child.Children):
+    def __init__(self, env: dict, children: child.Children, families: tuple[str, ...] = ()):
+        """`families`: the modules of the model families its points will build, imported before it says READY."""
         self.env = env
         self._children = children
-        self._proc = child.start([sys.executable, "-m", "vlmprobe.worker", "--serve"], env, children)
+        self._proc = child.start([sys.executable, "-m", "vlmprobe.worker", "--serve", *families], env, children)
         self._rows: queue.Queue = queue.Queue()  # result lines as they come, then None when stdout ends
         self._stderr: collections.deque = collections.deque(maxlen=self.STDERR_LINES)  # (line number, line)
         self._stderr_count = 0

@@ -172,19 +172,23 @@ def describe(backend_name: str) -> dict:
     return backends.get(backend_name).describe()
 
 
-def serve() -> None:
-    """`python -m vlmprobe.worker --serve`: one point per stdin line, measured one after another in this process,
-    each result printed as soon as it is known (launcher=pool, for points that need no fresh process: torch,
-    transformers and the backend are imported once per worker, not once per point). A point that raises is an
-    `error` row, as when the sweep process measures it (vlmprobe.sweep.run_point), and the next line is read.
-    It says READY first, once what every point uses is imported: launcher=auto gives a worker points only from
-    then on (vlmprobe.launchers)."""
+def serve(families: list[str]) -> None:
+    """`python -m vlmprobe.worker --serve [MODULE ...]`: one point per stdin line, measured one after another in
+    this process, each result printed as soon as it is known (launcher=pool, for points that need no fresh
+    process: torch, the model code and the backend are imported once per worker, not once per point). A point
+    that raises is an `error` row, as when the sweep process measures it (vlmprobe.sweep.run_point), and the
+    next line is read. It says READY first, once what every point uses is imported (the MODULEs: the points'
+    model families, transformers' modeling code with a transformers family): launcher=auto gives a worker points
+    only from then on (vlmprobe.launchers)."""
+    import importlib
+
     import hydra.utils
-    import transformers.modeling_utils  # what a model's first build imports (torch._dynamo with it: ~1 s)
 
     from vlmprobe.estimate import fast_fake
 
-    del hydra.utils, transformers.modeling_utils, fast_fake  # imported for the points to come
+    del hydra.utils, fast_fake  # imported for the points to come
+    for module in families:
+        importlib.import_module(module)
     sys.stdout.write(READY + "\n")
     sys.stdout.flush()
     for line in sys.stdin:
@@ -202,8 +206,8 @@ def _print_row(result: dict) -> None:
 
 
 def main() -> None:
-    if sys.argv[1:] == ["--serve"]:
-        serve()
+    if sys.argv[1:2] == ["--serve"]:
+        serve(sys.argv[2:])
         return
     if len(sys.argv) > 1:  # one rank of a distributed point: torchrun started it with the request's path
         from vlmprobe.distributed.launcher import run_rank

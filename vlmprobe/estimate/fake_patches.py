@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import sys
 
 from torch import nn
 
@@ -27,9 +28,15 @@ def real_run_answers_for_fake_batches():
     mask that a real run never makes. The mask is read as a real run reads it (`.all()`): a family whose
     forward derives it from its inputs makes those inputs constant fakes (Idefics3's pixel_attention_mask),
     so the read has the real answer; a non-constant one reads False (the tracker's answer), as before.
+
+    Where transformers' masking code is not imported, no model here runs it (a transformers family imports it
+    with its spec: vlmprobe.models.base.TRANSFORMERS_MODULES), and nothing is patched.
     """
+    masking_utils = sys.modules.get("transformers.masking_utils")
+    if masking_utils is None:
+        yield
+        return
     from torch._subclasses.fake_tensor import FakeTensor
-    from transformers import masking_utils
 
     original = masking_utils.find_packed_sequence_indices
     original_bidirectional = masking_utils._ignore_bidirectional_mask_sdpa

@@ -26,6 +26,7 @@ SMs to spare, at most 128 x B x H x S x Dr x 4 bytes and freed within the call; 
 from __future__ import annotations
 
 import contextlib
+import sys
 
 import torch
 import torch.nn.functional as F
@@ -143,9 +144,14 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
 def flash_attention_standin():
     """While active, transformers' "flash_attention_2" runs on this module's kernels: models accept it at
     construction (the stand-in is the package and the card transformers looks for) and its flash path
-    imports these functions instead of flash_attn's."""
-    from transformers import modeling_flash_attention_utils as fa_utils
-    from transformers.modeling_utils import PreTrainedModel
+    imports these functions instead of flash_attn's. Where transformers' modeling code is not imported, no
+    model here runs it (vlmprobe.models.base.TRANSFORMERS_MODULES), and nothing is patched."""
+    fa_utils = sys.modules.get("transformers.modeling_flash_attention_utils")
+    modeling = sys.modules.get("transformers.modeling_utils")
+    if fa_utils is None or modeling is None:
+        yield
+        return
+    PreTrainedModel = modeling.PreTrainedModel
 
     original_imports = fa_utils._lazy_imports
     original_check = PreTrainedModel._check_and_adjust_attn_implementation

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import abc
 import contextlib
+import importlib
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -37,10 +39,26 @@ class DataShape:
         return shape
 
 
+# transformers' modules that a family built on transformers runs through, and where the estimate answers what
+# a real run reads (vlmprobe.estimate.fake_patches, flash_attn_standin): those answers are given where the
+# modules are imported, so a transformers family imports them with its own module, before any of its models is
+# built (ModelSpec.__init_subclass__). Importing them costs ~5 s here (torch._dynamo, torch.distributed.tensor,
+# generation), which a family of our own (nanoVLM) does not pay.
+TRANSFORMERS_MODULES = ("transformers.modeling_utils", "transformers.masking_utils",
+                        "transformers.modeling_flash_attention_utils")
+
+
 class ModelSpec(abc.ABC):
     """A model family with its hyperparameters. Subclasses are Hydra `_target_`s."""
 
     name: str
+    uses_transformers = True  # built from transformers' model classes (False: our own modules, nanoVLM)
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        if cls.uses_transformers:
+            for module in TRANSFORMERS_MODULES:
+                importlib.import_module(module)
 
     native_image_size: int  # px per side when data.image_size is null
 
@@ -109,15 +127,44 @@ class ModelSpec(abc.ABC):
         tensors cannot run data-dependent init); `init=True` then fills the weights in place on the target
         device, which allocates nothing new. Weights do not change memory, only shapes do.
         """
-        from transformers.initialization import no_init_weights
-
-        with torch.device(device), default_dtype(dtype), no_init_weights():
+        with torch.device(device), default_dtype(dtype), self._init_skipped():
             model = self._construct()
         if init:
             with torch.no_grad():
                 for p in model.parameters():
                     p.normal_(0.0, 0.02)
         return model
+
+    def _init_skipped(self) -> contextlib.AbstractContextManager:
+        """The context that skips weight init: transformers' own (torch's init functions and its models'
+        init_weights), or for our own modules torch's init functions alone."""
+        if self.uses_transformers:
+            from transformers.initialization import no_init_weights
+
+            return no_init_weights()
+        return torch_init_skipped()
+
+
+@contextlib.contextmanager
+def torch_init_skipped():
+    """torch.nn.init's in-place fills as no-ops (torch's modules call them from reset_parameters), as
+    transformers' no_init_weights makes them, without importing transformers' modeling code."""
+    names = [name for name in dir(nn.init) if name.endswith("_") and not name.startswith("_")]
+    originals = {name: getattr(nn.init, name) for name in names}
+    try:
+        for name in names:
+            setattr(nn.init, name, lambda tensor, *args, **kwargs: tensor)
+        yield
+    finally:
+        for name, function in originals.items():
+            setattr(nn.init, name, function)
+
+
+def is_transformers_model(module: nn.Module) -> bool:
+    """Whether `module` is a transformers PreTrainedModel; no module is one unless transformers' modeling code
+    is imported, which this does not import."""
+    modeling = sys.modules.get("transformers.modeling_utils")
+    return modeling is not None and isinstance(module, modeling.PreTrainedModel)
 
 
 IGNORE_INDEX = -100  # labels the loss skips (the prompt: image tokens and their markers)

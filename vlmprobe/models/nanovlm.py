@@ -198,6 +198,8 @@ class NanoVLM(nn.Module):
 class NanoVLMSpec(ModelSpec):
     """Hydra target for conf/model/nanovlm_*.yaml."""
 
+    uses_transformers = False  # nanoVLM's own modules, above
+
     def __init__(self, name: str, vision: dict, text: dict, pixel_shuffle_factor: int, image_size: int,
                  attn_implementation: str = "sdpa"):
         if attn_implementation not in ATTENTION:

@@ -61,9 +61,9 @@ def validate(train: dict, backend: str, dist: str) -> None:
 
 def skip_reason(model: nn.Module, train: dict) -> str | None:
     """Why this model's layers cannot be quantized as transformers quantizes them (the row says so)."""
-    from transformers import PreTrainedModel
+    from vlmprobe.models.base import is_transformers_model
 
-    if train.get("quantization") and not isinstance(model, PreTrainedModel):
+    if train.get("quantization") and not is_transformers_model(model):
         return (f"train.quantization={train['quantization']}: {type(model).__name__} is not a transformers model, so "
                 f"transformers' bitsandbytes integration (replace_with_bnb_linear) does not pick its layers")
     return None
