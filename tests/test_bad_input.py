@@ -40,6 +40,12 @@ BAD_INPUT = {
     "axis without a sweep": (["model=nanovlm_tiny", "sweep.axes.data.batch_size=[1,2]"],
                              "sweep.axes.data.batch_size=[1,2] is not allowed: data.batch_size is not an axis of this "
                              "sweep; add it as a new axis with +sweep.axes.data.batch_size=[1,2]"),
+    "an axis given in a dict": (["sweep.axes={model:[nanovlm_tiny,qwen2_vl_tiny]}"],
+                                "sweep.axes={model:[nanovlm_tiny,qwen2_vl_tiny]} is not allowed: model is not an axis "
+                                "of this sweep; add it as a new axis with +sweep.axes={model:[nanovlm_tiny,qwen2_vl_tiny]}"),
+    "a key given in a dict": (["train.grad_ckpt={lm:true,nosuch:1}"],
+                              "train.grad_ckpt={lm:true,nosuch:1} is not allowed: train.grad_ckpt has no key 'nosuch' "
+                              "(keys there: lm, vision)"),
     "negative timeout": (["model=nanovlm_tiny", "measure.timeout_s=-1"],
                          "measure.timeout_s=-1 is not allowed: give seconds > 0, or null for no limit"),
     "Qwen image below 28 px": (["model=qwen2_vl_2b", "data.image_size=3"],

@@ -75,7 +75,7 @@ def explain(compose, before: list[str], arg: str, exc: Exception) -> ConfigError
     message = str(exc)
     missing = _NOT_THERE.search(message)
     if missing:
-        key = missing.group(1)
+        key = _added_key(compose, before, arg, missing.group(1)) or missing.group(1)
         if key.startswith("sweep.axes."):
             return ConfigError(f"{arg} is not allowed: {key[len('sweep.axes.'):]} is not an axis of this sweep; "
                                f"add it as a new axis with +{arg}")
@@ -93,6 +93,25 @@ def explain(compose, before: list[str], arg: str, exc: Exception) -> ConfigError
         return ConfigError(f"{arg} is not allowed: {already.group(1)} is already a config key; set it without "
                            f"the +: {arg.lstrip('+')}")
     return ConfigError(f"{arg} is not allowed: Hydra refuses it: {first_line(exc)}")
+
+
+def _added_key(compose, before: list[str], arg: str, key: str) -> str | None:
+    """Where `arg` sets `key` to a dict (key={a:1}): the first dotted key that the dict adds below `key`, the one
+    Hydra refused (it names `key` itself, which is there); None for any other value."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    value = OverridesParser.create().parse_overrides([arg])[0].value()
+
+    def first_added(value, node, prefix: str) -> str | None:
+        if not isinstance(value, dict) or not isinstance(node, dict):
+            return None
+        for k, v in value.items():
+            found = f"{prefix}.{k}" if k not in node else first_added(v, node[k], f"{prefix}.{k}")
+            if found:
+                return found
+        return None
+
+    return first_added(value, _node(compose, before, key), key)
 
 
 def _node(compose, before: list[str], dotted: str):
