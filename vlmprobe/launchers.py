@@ -11,7 +11,7 @@ the same thing under every one; only the order of the rows differs.
   (vlmprobe.sweep.isolated: cuda, or measure.isolate=true) gets one of its own (vlmprobe.sweep.call_worker);
   the others (estimate, cpu) are measured one after another by one long-lived worker per pool thread
   (vlmprobe.sweep.ServingWorker), as local measures them one after another in the sweep process: the
-  start-up (importing torch and transformers, several seconds) is paid once per worker, not per point.
+  start-up (importing torch and the model code, several seconds) is paid once per worker, not per point.
   Timeouts and failed rows are the same either way. The threads here only wait on their worker; rows are
   written by the main thread alone, which is also the only one a Ctrl-C reaches: it then kills every
   worker's process group and writes no row after it. On cuda each pool thread holds a GPU of its own and

@@ -75,7 +75,7 @@ def _died(code: int, stderr: str) -> dict:
 
 class ServingWorker:
     """A `python -m vlmprobe.worker --serve` that measures the points it is given one after another (launcher=pool,
-    for points that need no fresh process): the start-up, importing torch and transformers, is paid once per
+    for points that need no fresh process): the start-up, importing torch and the model code, is paid once per
     worker instead of once per point. A point that outlives its timeout, or whose worker dies under it, is the
     same failed row as under call_worker; that worker is then done with (alive() is false)."""
 
