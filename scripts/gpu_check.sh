@@ -25,6 +25,9 @@ python scripts/cuda_usable.py || exit 1
 DEVICE=$(python -c 'import torch; from vlmprobe.compare import device_slug; print(device_slug(torch.cuda.get_device_name(0)))')
 OUT=${VLMPROBE_GPU_CHECK_DIR:-results/gpu_check/$DEVICE/$(date -u +%Y%m%d-%H%M%S)}
 mkdir -p "$OUT"
+# the device, driver, versions and commit of every figure below, written the way each results dir's env.json is
+python -c 'import sys; from vlmprobe import backends, provenance; from pathlib import Path
+provenance.write_env(Path(sys.argv[1]), provenance.environment(backends.get("cuda").describe(), {"measure": {}}))' "$OUT/env.json"
 STATUS=()
 
 # step NAME COMMAND...: run it with its output in OUT/NAME.log, and remember how it ended
