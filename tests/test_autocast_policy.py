@@ -13,7 +13,7 @@ from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from vlmprobe.estimate import autocast_policy
-from vlmprobe.estimate.autocast_policy import CPU_POLICY, CUDA_POLICY, cuda_autocast_policy
+from vlmprobe.estimate.autocast_policy import CPU_POLICY, CUDA_POLICY, cuda_autocast_policy, installed
 
 BF16, FP32 = torch.bfloat16, torch.float32
 
@@ -133,11 +133,19 @@ DOC_PROMOTE_OPS = {
     "tensordot": lambda a, b: torch.tensordot(a(3, 4), b(4, 2), dims=1),
 }
 
+
+def _rms_norm():
+    return F.rms_norm(_bf16(4, 5), (5,))
+
+
+# torch >= 2.12 runs rms_norm in fp32 under CUDA autocast; older ones leave it to its input dtype, as CPU does
+RMS_NORM_AUTOCASTS_ON_CUDA = torch._C._dispatch_has_kernel_for_dispatch_key("aten::rms_norm", "AutocastCUDA")
+
 # Ops whose CPU autocast result dtype differs from CUDA's: the proof that the context acts.
 DIFFERS_ON_CPU = {
     **{k: (DOC_FP32_OPS[k], FP32) for k in ("softmax", "log_softmax", "layer_norm", "pow", "sum", "exp", "rsqrt", "cumsum", "normalize")},
     **{k: (DOC_LOWER_PRECISION_OPS[k], BF16) for k in ("addmv", "addr", "mv", "GRUCell", "LSTMCell")},
-    "rms_norm": (lambda: F.rms_norm(_bf16(4, 5), (5,)), FP32),
+    **({"rms_norm": (_rms_norm, FP32)} if RMS_NORM_AUTOCASTS_ON_CUDA else {}),
     "interpolate": (lambda: F.interpolate(_bf16(1, 1, 4, 4), scale_factor=2.0), FP32),
     "grid_sample(bf16, bf16)": (lambda: DOC_PROMOTE_OPS["grid_sample"](_bf16, _bf16), BF16),
 }
@@ -369,8 +377,22 @@ def test_op_lists_match_the_kernels_registered_in_the_installed_torch():
     def normalized(names):
         return {n.removesuffix(".default") for n in names}
 
-    assert registered("AutocastCUDA") == normalized(CUDA_POLICY)
-    assert registered("AutocastCPU") == normalized(CPU_POLICY)
+    # the lists are torch 2.13's; an older torch autocasts a subset of them (see the next test)
+    exact = torch.__version__.startswith("2.13.")
+    for key, policy in (("AutocastCUDA", CUDA_POLICY), ("AutocastCPU", CPU_POLICY)):
+        assert registered(key) == normalized(installed(policy, key))
+        assert registered(key) == normalized(policy) if exact else registered(key) <= normalized(policy)
+
+
+def test_only_ops_the_installed_torch_autocasts_on_a_device_get_that_devices_policy():
+    # relu is autocast on neither device, and an op this torch lacks is not one; rms_norm's fp32 policy on
+    # CUDA applies where the installed torch registers it (2.12 on)
+    policy = {"relu": "fp32", "no_such_op": "fp32", "rms_norm": "fp32", "mm": "lower_precision_fp"}
+    cuda = installed(policy, "AutocastCUDA")
+    assert cuda.keys() == {"mm"} | ({"rms_norm"} if RMS_NORM_AUTOCASTS_ON_CUDA else set())
+    assert installed(policy, "AutocastCPU") == {"mm": "lower_precision_fp"}
+    with cuda_autocast_policy(), _autocast():
+        assert _rms_norm().dtype == (FP32 if RMS_NORM_AUTOCASTS_ON_CUDA else BF16)
 
 
 _CUDA_COMPARABLE = {
@@ -378,6 +400,7 @@ _CUDA_COMPARABLE = {
     **DOC_LOWER_PRECISION_OPS,
     **{f"promote {k}": (lambda k=k: DOC_PROMOTE_OPS[k](_bf16, _fp32)) for k in DOC_PROMOTE_OPS},
     **{k: fn for k, (fn, _) in DIFFERS_ON_CPU.items()},
+    "rms_norm": _rms_norm,
 }
 
 

@@ -61,7 +61,7 @@ def test_out_of_memory_in_a_worker_is_a_row_with_the_peak_before_it_and_the_requ
     row = run_point(config)
     assert row["status"] == "oom"
     assert row["snapshot_file"] is None and not (tmp_path / "snapshots").exists()  # the estimate records none
-    assert 0 < row["peak_allocated_bytes"] <= 10 * 2**20
+    assert 0 < row["peak_allocated_bytes"] <= row["peak_reserved_bytes"] <= 10 * 2**20
     assert row["oom_segment_bytes"] == 20 * 2**20  # the segment that did not fit
     assert row["oom_block_bytes"] == 8 * 256 * 512 * 2  # for the logits, a multiple of 512 already
     assert "out of memory" in row["error"]

@@ -119,7 +119,9 @@ def measure(point: dict) -> dict:
                 raise
             message = str(exc)
             out.update(status="oom", error=message.strip().splitlines()[0][:500], **backend.oom_columns(meter, message))
-            report.peaks["allocated"] = max(report.peaks.get("allocated", 0), meter.peaks()["allocated"])
+            # the window the OOM ended (step windows fold into the report only when a step finishes)
+            for key, value in meter.peaks().items():
+                report.peaks[key] = max(report.peaks.get(key, 0), value)
         meter.notes.extend(quantization.notes(train, backend.name))
         out.update(_report_columns(report))
         out["imposed_capacity_bytes"] = meter.capacity

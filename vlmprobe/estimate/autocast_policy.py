@@ -25,8 +25,10 @@ Lists: ``AT_FORALL_*`` in ``aten/src/ATen/autocast_mode.h`` and the
 ``TORCH_LIBRARY_IMPL(aten, Autocast / AutocastCPU, m)`` blocks of
 ``aten/src/ATen/autocast_mode.cpp``, torch 2.13.0; the tests check them against
 the kernels the installed binary registers, so a torch upgrade that changes
-them fails loudly.  They are version-sensitive: e.g. ``rms_norm`` joined CUDA's
-fp32 list in torch 2.12 (<= 2.11 kept its output in the autocast dtype).
+them fails loudly.  An op an older torch does not register under a key is left
+out of that key's list when the policy is applied (:func:`installed`): e.g.
+``rms_norm`` joined CUDA's fp32 list in torch 2.12, and a torch 2.11 CUDA run
+keeps its output in the autocast dtype, so the emulation under 2.11 does too.
 
 Weight-cast cache: CUDA's ``cached_cast`` keeps the low-precision copy of every
 fp32 leaf tensor that requires grad (i.e. parameters), made for
@@ -57,7 +59,7 @@ import torch
 from torch.library import Library, fallthrough_kernel
 from torch.utils.weak import WeakIdKeyDictionary
 
-__all__ = ["cuda_autocast_policy", "CUDA_POLICY", "CPU_POLICY"]
+__all__ = ["cuda_autocast_policy", "installed", "CUDA_POLICY", "CPU_POLICY"]
 
 # ---------------------------------------------------------------------------
 # torch 2.13.0, aten/src/ATen/autocast_mode.h (AT_FORALL_*) as registered for
@@ -180,6 +182,15 @@ _depth = 0
 _lib: Library | None = None
 _torch_clear_autocast_cache = None
 _cast_cache = WeakIdKeyDictionary()  # fp32 leaf -> low-precision copy
+
+
+def installed(policy: dict[str, str], key: str) -> dict[str, str]:
+    """The entries of ``policy`` (op name -> policy) whose op the installed torch registers a kernel for under
+    dispatch key ``key`` ("AutocastCUDA", "AutocastCPU"; a CPU-only build registers both). An op without one
+    falls through autocast on that device and runs in its input dtype; one this torch lacks is not an op here."""
+    ops = set(torch._C._dispatch_get_all_op_names())
+    has_kernel = torch._C._dispatch_has_kernel_for_dispatch_key
+    return {name: p for name, p in policy.items() if f"aten::{name}" in ops and has_kernel(f"aten::{name}", key)}
 
 
 def _aten(name: str) -> torch._ops.OpOverload:
@@ -307,11 +318,12 @@ def _register() -> Library:
         with warnings.catch_warnings():
             # "Overriding a previously registered kernel ..." for ops CPU autocasts too.
             warnings.filterwarnings("ignore", message="(?s).*Overriding a previously registered kernel")
-            for name, policy in CUDA_POLICY.items():
-                if CPU_POLICY.get(name) != policy:
+            cuda, cpu = installed(CUDA_POLICY, "AutocastCUDA"), installed(CPU_POLICY, "AutocastCPU")
+            for name, policy in cuda.items():
+                if cpu.get(name) != policy:
                     lib.impl(name, _make_kernel(name, policy), "AutocastCPU")
-            for name in CPU_POLICY:
-                if name not in CUDA_POLICY:
+            for name in cpu:
+                if name not in cuda:
                     lib.impl(name, fallthrough_kernel, "AutocastCPU")
     except BaseException:
         lib._destroy()
@@ -322,7 +334,8 @@ def _register() -> Library:
 @contextlib.contextmanager
 def cuda_autocast_policy() -> Iterator[None]:
     """While active, ``torch.autocast('cpu', ...)`` casts ops exactly as
-    ``torch.autocast('cuda', ...)`` would (op lists and policies of torch 2.13).
+    ``torch.autocast('cuda', ...)`` would (op lists and policies of torch 2.13, less the ops the installed
+    torch does not autocast).
 
     Re-entrant; the registrations are removed when the outermost use exits.
     Use it around (or inside) the ``torch.autocast('cpu', dtype)`` region::
