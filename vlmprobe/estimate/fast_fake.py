@@ -72,6 +72,14 @@ _FAST_KEY = (tuple(field.name for field in dataclasses.fields(TensorMetadata)) =
 
 
 class FastFakeTensorMode(FakeTensorMode):
+    # FakeTensorMode's own __torch_dispatch__ without its torch._dynamo.disable wrapper, as for the tracker
+    # (LiveBytesTracker._should_skip_dynamo): no estimate compiles
+    __torch_dispatch__ = getattr(FakeTensorMode.__torch_dispatch__, "__wrapped__", FakeTensorMode.__torch_dispatch__)
+
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        return False
+
     def dispatch(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if HOST_INDEX_TENSORS_REAL.get() and real_integer_op(args, kwargs):  # not a speed-up: see fake_patches

@@ -46,6 +46,13 @@ class LiveBytesTracker(TorchDispatchMode):
     segment that does not fit raises OutOfMemoryError as CUDA would. `settings` and `allowed_maximum`: the
     allocator settings and memory fraction the model applies (vlmprobe.estimate.alloc_conf)."""
 
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        # TorchDispatchMode wraps a subclass's __torch_dispatch__ in torch._dynamo.disable unless this says no:
+        # it keeps torch.compile out of dispatch frames, and no estimate compiles, so each of a point's ~68k ops
+        # would pay for the wrapper (it saves, clears and restores the frame-evaluation hook) for nothing
+        return False
+
     def __init__(self, capacity: int | None = None, answer_fake_scalar_reads: bool = False,
                  settings: AllocatorSettings | None = None, allowed_maximum: int | None = None):
         super().__init__()
