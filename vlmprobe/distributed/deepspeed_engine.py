@@ -218,8 +218,6 @@ class DeepSpeedEngine(Engine):
         engine, *_ = self.initialize(model, config)
         return engine.eval()
 
-    host_tracker = None  # the tracker that tells host buffers apart, while host_memory() is on
-
     @contextlib.contextmanager
     def host_memory(self):
         config = deepspeed_config(self.point, hidden_size=1)  # the hidden size sets bucket sizes only
@@ -230,12 +228,6 @@ class DeepSpeedEngine(Engine):
 
         with host_placement() as self.host_tracker:
             yield
-
-    def on_device(self, tensors) -> list[torch.Tensor]:
-        """The tensors that are device buffers (offloaded ones live on the host: not device memory)."""
-        if self.host_tracker is None:
-            return [t for t in tensors if t.device.type == self.device.type]
-        return [t for t in tensors if not self.host_tracker.on_host(t)]
 
     def zero_grad(self) -> None:
         self.model.zero_grad()

@@ -80,10 +80,18 @@ class Engine:
     def wrap(self, spec, model: nn.Module) -> nn.Module:
         return model
 
+    host_tracker = None  # the tracker that tells host buffers apart, while host_memory() is on
+
     def host_memory(self) -> contextlib.AbstractContextManager:
         """Entered before prepare() until the point's figures are read: where this engine offloads to the CPU
         and the device is the CPU too, what tells the host buffers apart (vlmprobe.distributed.host_memory)."""
         return contextlib.nullcontext()
+
+    def on_device(self, tensors) -> list[torch.Tensor]:
+        """The tensors that are device buffers (offloaded ones live on the host: not device memory)."""
+        if self.host_tracker is None:
+            return [t for t in tensors if t.device.type == self.device.type]
+        return [t for t in tensors if not self.host_tracker.on_host(t)]
 
     def zero_grad(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)
@@ -99,16 +107,16 @@ class Engine:
         return tensor
 
     def params_bytes(self) -> int:
-        return sum(self.local(p).untyped_storage().nbytes() for p in self.model.parameters())
+        return sum(t.untyped_storage().nbytes() for t in self.on_device(self.local(p) for p in self.model.parameters()))
 
     def grads_bytes(self) -> int:
         # grads may be views of one buffer (DDP's gradient_as_bucket_view, FSDP2's reduce-scatter output, which
         # it keeps per block): each buffer counted once
-        return storage_bytes(self.local(p.grad) for p in self.model.parameters() if p.grad is not None)
+        return storage_bytes(self.on_device(self.local(p.grad) for p in self.model.parameters() if p.grad is not None))
 
     def state_tensors(self) -> list[torch.Tensor]:
         """Optimizer state tensors this rank holds on the device (not AdamW's scalar step counters)."""
-        return state_tensors(self.optimizer, self.device.type)
+        return self.on_device(self.local(t) for t in state_tensors(self.optimizer, self.device.type))
 
 
 class DDPEngine(Engine):
@@ -233,11 +241,18 @@ class FSDP2Engine(Engine):
                 b.zero_()
         return model
 
+    @contextlib.contextmanager
+    def host_memory(self):
+        if self.device.type != "cpu" or self.dist["offload_param"] != "cpu":
+            yield
+            return
+        from vlmprobe.distributed.host_memory import fsdp2_offload_placement
+
+        with fsdp2_offload_placement() as self.host_tracker:
+            yield
+
     def local(self, tensor):
         return tensor.to_local() if hasattr(tensor, "to_local") else tensor
-
-    def state_tensors(self):
-        return [self.local(t) for t in super().state_tensors()]
 
 
 NAMES = {"none": Engine, "ddp": DDPEngine, "fsdp2": FSDP2Engine}

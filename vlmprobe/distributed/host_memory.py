@@ -1,8 +1,10 @@
-"""Offload to the CPU where the device is the CPU too: which buffers DeepSpeed keeps in host memory.
+"""Offload to the CPU where the device is the CPU too: which buffers DeepSpeed or FSDP2 keep in host memory.
 
 On the cpu and estimate backends every tensor is a CPU tensor, so host and device memory are one pool. A
-CUDA run tells them apart by the device each buffer is made on, and DeepSpeed names that device in its
-own code: the accelerator's device (`get_accelerator().current_device_name()`, a tensor's `.device`) for
+CUDA run tells them apart by the device each buffer is made on. Two engines offload, each with its own
+context here: `host_placement()` (DeepSpeed) and `fsdp2_offload_placement()` (FSDP2's CPUOffloadPolicy).
+
+DeepSpeed names that device in its own code: the accelerator's device (`get_accelerator().current_device_name()`, a tensor's `.device`) for
 device buffers, the host as the string "cpu" (`self.device = 'cpu'` / `OffloadDeviceEnum.cpu` of the
 offload paths, `remote_device` of partitioned parameters), no device at all (torch's default device is the
 CPU on CUDA too: the pinned fp16 flat buffer of stage3.py:_create_param_groups_fp16_flat_cpu_memory), or
@@ -29,11 +31,28 @@ Host figures are the bytes of live host buffers, pinned ones rounded up to a pow
 CachingHostAllocator rounds them; a freed pinned block that torch keeps cached for reuse is not counted (as a
 freed device block is not in `allocated`). DeepSpeedCPUAdam's in-place update is not modelled (here torch's
 AdamW over the host partitions, with its temporaries).
+
+FSDP2 (torch/distributed/fsdp/_fully_shard) moves tensors across in four places, all with torch's own calls,
+and names the host as `torch.device("cpu")`, which on a CPU mesh is its device's name too; so its moves are
+told by where they are made, not by their arguments:
+- `FSDPParam.reset_sharded_param` (run by `to_empty`, which materialises the sharded model on the device):
+  `local_tensor.cpu().pin_memory()`, a host copy of the shard, pinned; `is_pinned()` is asked first;
+- `FSDPParam.all_gather_inputs`: `sharded_param_data.to(self.device, non_blocking=True)`, the shard copied to the
+  device before each all-gather (it dies when the all-gather's copy-in is done);
+- `foreach_reduce` (`_fsdp_collectives`, called by `FSDPParamGroup.post_backward`): the reduce-scattered gradient
+  `.to(torch.device("cpu"), non_blocking=...)`, a host copy; non-blocking (pinned, no accumulation, no
+  post-accumulate hook) makes torch's `_to_copy` put it in pinned memory (`pin_out` in aten's `_to_copy`);
+- a `.cpu()` anywhere is a copy to the host, as under DeepSpeed.
+Inside the last two of those scopes a `.to()` that names a device copies to that scope's side; elsewhere `.to()`
+is left alone, as a model's `.to(x.device)` is a no-op on CUDA. The optimizer step over the host shards and
+their host gradients runs on the host by the tracker's rule.
 """
 
 from __future__ import annotations
 
 import contextlib
+import contextvars
+import weakref
 
 import torch
 
@@ -83,34 +102,79 @@ def _to_target(args, kwargs):
     return None
 
 
+_TO, _CPU = torch.Tensor.to, torch.Tensor.cpu
+
+
+def _side(tracker: LiveBytesTracker, tensor: torch.Tensor) -> str:
+    return "host" if tracker.on_host(tensor) else "device"
+
+
+def _copy_across(tracker: LiveBytesTracker, source: torch.Tensor, out: torch.Tensor, target: str) -> torch.Tensor:
+    """`out` (what a move of `source` to `target` returned) as CUDA has it: a copy where the sides differ."""
+    if _side(tracker, source) != target and out.untyped_storage() is source.untyped_storage():
+        with placed(target):  # the CPU aliased what CUDA copies
+            return out.clone()
+    return out
+
+
+def _to_side(tracker: LiveBytesTracker, tensor: torch.Tensor, target: str, args, kwargs) -> torch.Tensor:
+    with placed(target):
+        return _copy_across(tracker, tensor, _TO(tensor, *args, **kwargs), target)
+
+
+def _tensor_cpu(self, *args, **kwargs):
+    """`.cpu()`: a copy to the host, wherever it is called."""
+    with placed("host"):
+        return _copy_across(current_tracker(), self, _CPU(self, *args, **kwargs), "host")
+
+
+def pinned_copy(tensor: torch.Tensor) -> torch.Tensor:
+    """A pinned host copy of `tensor`, as `tensor.pin_memory()` makes it on CUDA. torch's CachingHostAllocator
+    gives a pinned block of the size rounded up to a power of two (ATen/core/CachingHostAllocator.h, allocate:
+    at the default pinned_max_round_threshold), so the copy lies in a buffer of that size. It is detached from
+    that buffer: a view's `_base` would keep the block alive after its tensor is pointed elsewhere, which CUDA's
+    pinned copy (no view) does not. DeepSpeed does that to every parameter's pinned partition under
+    offload_param (stage3.py:_move_to_flat_buffer, `src.data = dest.data` into the flat host buffer): on CUDA
+    the partition's block is freed there (and kept in torch's pinned-block cache)."""
+    block = 1 << max(tensor.nbytes - 1, 0).bit_length()
+    # the host named: under deepspeed.zero.Init (offload_param's pinned partitions) torch.empty is its wrapper,
+    # which gives a call that names no device the accelerator's
+    with placed("host"):
+        buffer = torch.empty(block // tensor.element_size(), dtype=tensor.dtype, device="cpu")
+        return buffer[:tensor.numel()].view(tensor.shape).detach().copy_(tensor)
+
+
+@contextlib.contextmanager
+def _patched(patches: dict):
+    """Set each (owner, name) to its value, and put back what was there (or nothing) on the way out."""
+    saved = {(owner, name): owner.__dict__.get(name) for owner, name in patches}
+    try:
+        for (owner, name), value in patches.items():
+            setattr(owner, name, value)
+        yield
+    finally:
+        for (owner, name), value in saved.items():
+            if value is None:
+                delattr(owner, name)
+            else:
+                setattr(owner, name, value)
+
+
 @contextlib.contextmanager
 def host_placement():
-    """While on: the tracker counts host buffers apart, placed as the module doc says."""
+    """While on: the tracker counts the host buffers DeepSpeed makes apart, placed as the module doc says."""
     from deepspeed.accelerator import get_accelerator
     from deepspeed.runtime.zero import partition_parameters
 
     tracker = current_tracker()
     tracker.track_host()
-    side = lambda t: "host" if tracker.on_host(t) else "device"  # noqa: E731
-    to, cpu = torch.Tensor.to, torch.Tensor.cpu
-
-    def copy_across(source: torch.Tensor, out: torch.Tensor, target: str) -> torch.Tensor:
-        if side(source) != target and out.untyped_storage() is source.untyped_storage():
-            with placed(target):  # the CPU aliased what CUDA copies
-                return out.clone()
-        return out
 
     def tensor_to(self, *args, **kwargs):
         device = _to_target(args, kwargs)
         if device is None:
-            return to(self, *args, **kwargs)
-        target = side(device) if isinstance(device, torch.Tensor) else side_of_device(device)
-        with placed(target):
-            return copy_across(self, to(self, *args, **kwargs), target)
-
-    def tensor_cpu(self, *args, **kwargs):
-        with placed("host"):
-            return copy_across(self, cpu(self, *args, **kwargs), "host")
+            return _TO(self, *args, **kwargs)
+        target = _side(tracker, device) if isinstance(device, torch.Tensor) else side_of_device(device)
+        return _to_side(tracker, self, target, args, kwargs)
 
     def factory(make):
         def placed_factory(*args, **kwargs):
@@ -119,39 +183,69 @@ def host_placement():
 
         return placed_factory
 
-    def pin_memory(tensor, *args, **kwargs):
-        """DeepSpeed's accelerator pins a copy of `tensor` (abstract_accelerator.py: tensor.pin_memory(), or a
-        fresh pinned buffer of its shape with make_copy=False). torch's CachingHostAllocator gives a pinned
-        block of the size rounded up to a power of two (ATen/core/CachingHostAllocator.h, allocate: at
-        the default pinned_max_round_threshold), so the copy lies in a buffer of that size. It is detached from
-        that buffer: a view's `_base` would keep the block alive after its tensor is pointed elsewhere, which
-        CUDA's pinned copy (no view) does not. DeepSpeed does that to every parameter's pinned partition under
-        offload_param (stage3.py:_move_to_flat_buffer, `src.data = dest.data` into the flat host buffer): on
-        CUDA the partition's block is freed there (and kept in torch's pinned-block cache)."""
-        block = 1 << max(tensor.nbytes - 1, 0).bit_length()
-        # the host named: under deepspeed.zero.Init (offload_param's pinned partitions) torch.empty is its
-        # wrapper, which gives a call that names no device the accelerator's
-        with placed("host"):
-            buffer = torch.empty(block // tensor.element_size(), dtype=tensor.dtype, device="cpu")
-            return buffer[:tensor.numel()].view(tensor.shape).detach().copy_(tensor)
-
     accelerator = get_accelerator()
     factories = {name: factory(getattr(torch, name)) for name in FACTORIES}
-    patches = {(torch.Tensor, "to"): tensor_to, (torch.Tensor, "cpu"): tensor_cpu,
+    # DeepSpeed's accelerator pins a copy of its argument (abstract_accelerator.py: tensor.pin_memory(), or a
+    # fresh pinned buffer of its shape with make_copy=False)
+    patches = {(torch.Tensor, "to"): tensor_to, (torch.Tensor, "cpu"): _tensor_cpu,
                **{(torch, name): made for name, made in factories.items()},
                **{(partition_parameters, f"_orig_torch_{name}"): made for name, made in factories.items()},
                (accelerator, "current_device_name"): lambda: AcceleratorDevice("cpu"),
                (accelerator, "device_name"): lambda device_index=None: AcceleratorDevice("cpu"),
-               (accelerator, "pin_memory"): pin_memory,
+               (accelerator, "pin_memory"): lambda tensor, *args, **kwargs: pinned_copy(tensor),
                (accelerator, "on_accelerator"): lambda t: not tracker.on_host(t)}
-    saved = {(owner, name): owner.__dict__.get(name) for owner, name in patches}
-    try:
-        for (owner, name), value in patches.items():
-            setattr(owner, name, value)
+    with _patched(patches):
         yield tracker
-    finally:
-        for (owner, name), value in saved.items():
-            if value is None:
-                delattr(owner, name)
-            else:
-                setattr(owner, name, value)
+
+
+# the side FSDP2's `.to(<a device>)` moves to inside its offload code (see the module doc); None elsewhere
+_FSDP2_MOVE: contextvars.ContextVar[str | None] = contextvars.ContextVar("fsdp2 offload move", default=None)
+
+
+def _moving(target: str, fn):
+    """`fn` with FSDP2's `.to(<a device>)` calls inside it copying to `target`."""
+    def moved(*args, **kwargs):
+        token = _FSDP2_MOVE.set(target)
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            _FSDP2_MOVE.reset(token)
+
+    return moved
+
+
+def _non_blocking(args, kwargs) -> bool:
+    # Tensor.to's non_blocking: a keyword, or the first bool given by position (a device or dtype never is one)
+    return bool(kwargs.get("non_blocking", next((a for a in args if isinstance(a, bool)), False)))
+
+
+@contextlib.contextmanager
+def fsdp2_offload_placement():
+    """While on: the tracker counts the host buffers of FSDP2's CPUOffloadPolicy apart (see the module doc)."""
+    from torch.distributed.fsdp._fully_shard import _fsdp_param, _fsdp_param_group
+
+    tracker = current_tracker()
+    tracker.track_host()
+    pinned = weakref.WeakSet()  # storages of pinned copies
+
+    def tensor_to(self, *args, **kwargs):
+        target = _FSDP2_MOVE.get()
+        if target is None or _to_target(args, kwargs) is None:
+            return _TO(self, *args, **kwargs)
+        if target == "host" and _side(tracker, self) == "device" and _non_blocking(args, kwargs):
+            return pin_memory(self)  # a device-to-host copy that does not block lands in pinned memory
+        return _to_side(tracker, self, target, args, kwargs)
+
+    def pin_memory(self, *args, **kwargs):
+        out = pinned_copy(self)
+        pinned.add(out.untyped_storage())
+        return out
+
+    gather = _fsdp_param.FSDPParam.all_gather_inputs
+    patches = {(torch.Tensor, "to"): tensor_to, (torch.Tensor, "cpu"): _tensor_cpu,
+               (torch.Tensor, "pin_memory"): pin_memory,
+               (torch.Tensor, "is_pinned"): lambda self, *args, **kwargs: self.untyped_storage() in pinned,
+               (_fsdp_param.FSDPParam, "all_gather_inputs"): property(_moving("device", gather.fget)),
+               (_fsdp_param_group, "foreach_reduce"): _moving("host", _fsdp_param_group.foreach_reduce)}
+    with _patched(patches):
+        yield tracker

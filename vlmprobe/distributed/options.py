@@ -113,10 +113,6 @@ def read_deepspeed_config(path) -> dict:
 def skip_reason(dist: dict, backend: str) -> str | None:
     """Why a point's engine cannot run on `backend` here; its row is `skipped` with this reason."""
     name = dist["name"]
-    # offload first: installing DeepSpeed would not make such a point run off cuda
-    if name == "fsdp2" and dist.get("offload_param", "none") != "none" and backend != "cuda":
-        return ("dist.offload_param=cpu needs backend cuda under fsdp2: where the device is the CPU, FSDP2's "
-                "offloaded tensors cannot be told apart from device memory (DeepSpeed's can: zero1-3)")
     if name.startswith("zero") and importlib.util.find_spec("deepspeed") is None:
         return f"dist={name} needs DeepSpeed, not installed here: pip install -e \".[deepspeed]\""
     return None
