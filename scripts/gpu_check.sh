@@ -15,7 +15,10 @@
 #   7. grpo             the VLM-R1 preset's batch-1 GRPO point (Qwen2.5-VL-3B, 4 x 2048 completion tokens) on
 #                       cuda, SDPA attention (flash-attn is not in the GPU image) and no card profile (this card's
 #                       memory is the capacity), then scripts/check_estimate.py --cuda-dir on it (grpo_vs_estimate)
-#   8. baseline         the first baseline of this device (results/baseline/<device>/<sweep>/) when none exists
+#   8. dist             every engine at world size 1 (+sweep=dist_world1: ddp, fsdp2 with and without CPU offload,
+#                       zero2, zero3 with and without offload; DeepSpeed's rows are skipped where it is not
+#                       installed) on cuda, then scripts/check_estimate.py --cuda-dir on it (dist_vs_estimate)
+#   9. baseline         the first baseline of this device (results/baseline/<device>/<sweep>/) when none exists
 # Needs nothing but the installed project (pip install -e ".[test]") and a CUDA GPU; about 15 minutes on an H100.
 # On a machine reached through a tool that returns few files, pack the directory: tar czf out.tgz -C DIR .
 set -uo pipefail
@@ -67,6 +70,9 @@ step grpo python -m vlmprobe +sweep=preset_vlm_r1_grpo_h20 measure.backend=cuda 
   'sweep.cases=[{}]' 'sweep.axes.data.batch_size=[1]' model.attn_implementation=sdpa device=none
 GRPO=$(newest "$OUT/grpo/preset_vlm_r1_grpo_h20")
 [ -n "$GRPO" ] && step grpo_vs_estimate python scripts/check_estimate.py --parts cuda --cuda-dir "$GRPO"
+step dist python -m vlmprobe +sweep=dist_world1 measure.backend=cuda "results_dir=$OUT/dist"
+DIST=$(newest "$OUT/dist/dist_world1")
+[ -n "$DIST" ] && step dist_vs_estimate python scripts/check_estimate.py --parts cuda --cuda-dir "$DIST"
 
 baseline() {
   local dir target
