@@ -218,16 +218,13 @@ class DeepSpeedEngine(Engine):
         engine, *_ = self.initialize(model, config)
         return engine.eval()
 
-    @contextlib.contextmanager
-    def host_memory(self):
+    def host_placement(self):
         config = deepspeed_config(self.point, hidden_size=1)  # the hidden size sets bucket sizes only
-        if self.device.type != "cpu" or not offloads(config):
-            yield
-            return
+        if not offloads(config):
+            return None
         from vlmprobe.distributed.host_memory import host_placement
 
-        with host_placement() as self.host_tracker:
-            yield
+        return host_placement()
 
     def zero_grad(self) -> None:
         self.model.zero_grad()

@@ -82,10 +82,21 @@ class Engine:
 
     host_tracker = None  # the tracker that tells host buffers apart, while host_memory() is on
 
-    def host_memory(self) -> contextlib.AbstractContextManager:
+    @contextlib.contextmanager
+    def host_memory(self):
         """Entered before prepare() until the point's figures are read: where this engine offloads to the CPU
-        and the device is the CPU too, what tells the host buffers apart (vlmprobe.distributed.host_memory)."""
-        return contextlib.nullcontext()
+        and the device is the CPU too, what tells the host buffers apart (vlmprobe.distributed.host_memory).
+        On CUDA a tensor's device tells them apart already."""
+        placement = self.host_placement() if self.device.type == "cpu" else None
+        if placement is None:
+            yield
+            return
+        with placement as self.host_tracker:
+            yield
+
+    def host_placement(self) -> contextlib.AbstractContextManager | None:
+        """This engine's context of vlmprobe.distributed.host_memory, where the point offloads; else None."""
+        return None
 
     def on_device(self, tensors) -> list[torch.Tensor]:
         """The tensors that are device buffers (offloaded ones live on the host: not device memory)."""
@@ -107,7 +118,7 @@ class Engine:
         return tensor
 
     def params_bytes(self) -> int:
-        return sum(t.untyped_storage().nbytes() for t in self.on_device(self.local(p) for p in self.model.parameters()))
+        return storage_bytes(self.on_device(self.local(p) for p in self.model.parameters()))
 
     def grads_bytes(self) -> int:
         # grads may be views of one buffer (DDP's gradient_as_bucket_view, FSDP2's reduce-scatter output, which
@@ -116,7 +127,7 @@ class Engine:
 
     def state_tensors(self) -> list[torch.Tensor]:
         """Optimizer state tensors this rank holds on the device (not AdamW's scalar step counters)."""
-        return self.on_device(self.local(t) for t in state_tensors(self.optimizer, self.device.type))
+        return self.on_device(self.local(t) for t in state_tensors(self.optimizer))
 
 
 class DDPEngine(Engine):
@@ -241,15 +252,12 @@ class FSDP2Engine(Engine):
                 b.zero_()
         return model
 
-    @contextlib.contextmanager
-    def host_memory(self):
-        if self.device.type != "cpu" or self.dist["offload_param"] != "cpu":
-            yield
-            return
+    def host_placement(self):
+        if self.dist["offload_param"] != "cpu":
+            return None
         from vlmprobe.distributed.host_memory import fsdp2_offload_placement
 
-        with fsdp2_offload_placement() as self.host_tracker:
-            yield
+        return fsdp2_offload_placement()
 
     def local(self, tensor):
         return tensor.to_local() if hasattr(tensor, "to_local") else tensor

@@ -105,13 +105,14 @@ def make_optimizer(partial, params) -> tuple[torch.optim.Optimizer, str]:
     return partial(params), f"{name}({impl})" if impl else name
 
 
-def state_tensors(optimizer: torch.optim.Optimizer, device_type: str) -> list[torch.Tensor]:
-    """Optimizer state tensors (not AdamW's scalar `step` counters, which CUDA keeps on the CPU)."""
+def state_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    """Optimizer state tensors (not AdamW's scalar `step` counters, which CUDA keeps on the CPU); which of them
+    are on the device is the engine's to say (Engine.on_device)."""
     return [
         t
         for state in optimizer.state.values()
         for t in state.values()
-        if isinstance(t, torch.Tensor) and t.device.type == device_type and t.dim() > 0
+        if isinstance(t, torch.Tensor) and t.dim() > 0
     ]
 
 
