@@ -113,7 +113,8 @@ def measure(point: dict) -> dict:
                     meter.notes.append("use_vllm: a vLLM server generates the completions; no generate phase on this GPU")
             else:
                 train_steps(spec, engine, batch, meter, point["measure"]["steps"], autocast, report,
-                            accum=train["grad_accum_steps"], hold_outputs=point["measure"]["hold_outputs"])
+                            accum=train["grad_accum_steps"], hold_outputs=point["measure"]["hold_outputs"],
+                            replay=backend.step_replay(meter, engine))
         except Exception as exc:
             if not is_out_of_memory(exc):
                 raise

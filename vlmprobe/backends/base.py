@@ -45,6 +45,11 @@ class Backend(abc.ABC):
         """Write an allocator snapshot (history of every allocation) to `path`; False where there is none."""
         return False
 
+    def step_replay(self, meter, engine):
+        """What replays later training steps from the first one's allocations (vlmprobe.estimate.step_replay),
+        where this backend can and the engine repeats its steps alike; None: every step runs."""
+        return None
+
     def oom_columns(self, meter, message: str) -> dict:
         """What an out-of-memory asked for: `oom_segment_bytes`, the segment the allocator tried to reserve
         (the size CUDA's message prints), and `oom_block_bytes`, the block it was asked for (the tensor's

@@ -120,6 +120,8 @@ class DeepSpeedEngine(Engine):
     way) the model is built partitioned, under deepspeed.zero.Init; otherwise it is built on the device as a
     whole."""
 
+    repeats_steps = False
+
     def build(self, spec, dtype):
         """Under zero.Init as transformers builds a model when a ZeRO-3 config is active
         (modeling_utils.py:get_init_context, is_deepspeed_zero3_enabled(): no_init_weights,

@@ -43,6 +43,10 @@ class Engine:
     """The single-GPU engine (dist=none): the model as built, loss.backward(), optimizer.step()."""
 
     build_device_is_meta = False  # build on the meta device and let prepare() materialise the (sharded) model
+    # whether every step after the first asks the allocator for what the first did (forward and backward): true
+    # of a plain model; not of DDP (it rebuilds its buckets in the second step) nor of the sharding engines
+    # (resized and prefetched buffers), which set it False. The estimate replays such steps (step_replay).
+    repeats_steps = True
 
     def __init__(self, point: dict, device: torch.device):
         self.point, self.dist, self.device = point, point["dist"], device
@@ -142,6 +146,8 @@ class DDPEngine(Engine):
     whose result the reducer takes from the collective's future, which a fake group completes empty
     (all_reduce_on_fake_group answers it)."""
 
+    repeats_steps = False
+
     def wrap(self, spec, model):
         from torch.nn.parallel import DistributedDataParallel
 
@@ -208,6 +214,8 @@ class FSDP2Engine(Engine):
     """torch FSDP2: fully_shard on every tower block, then on the root, over a 1-D mesh of all ranks. The
     model is built on the meta device, sharded there and materialised shard by shard (to_empty), as FSDP2
     training code does, so no rank ever holds the whole model."""
+
+    repeats_steps = False
 
     build_device_is_meta = True
 

@@ -63,6 +63,7 @@ class LiveBytesTracker(TorchDispatchMode):
         self._open = True  # storages that die after the measurement are not freed into the model
         self._host: weakref.WeakKeyDictionary | None = None  # storage -> bytes, while host memory is told apart
         self.host_current = self.host_peak = 0
+        self.log: AllocationLog | None = None  # while set, every device allocation and free is logged in it
 
     def track_host(self) -> None:
         """Tell host from device memory from now on (see the module doc)."""
@@ -98,6 +99,8 @@ class LiveBytesTracker(TorchDispatchMode):
             weakref.finalize(storage, self._free_host, cell).atexit = False
             return
         handle = self.allocator.malloc(storage.nbytes())
+        if self.log is not None:
+            self.log.malloc(handle, storage.nbytes())
         self._seen.add(storage)
         finalizer = weakref.finalize(storage, self._free, handle)
         finalizer.atexit = False  # nothing to free into at exit
@@ -106,6 +109,13 @@ class LiveBytesTracker(TorchDispatchMode):
     def _free(self, handle: int) -> None:
         if self._open:
             self.allocator.free(handle)
+            if self.log is not None:
+                self.log.free(handle)
+
+    def handle_of(self, storage) -> int | None:
+        """The allocator model's handle of a device storage this tracker charged (None for any other)."""
+        entry = self._blocks.get(storage)
+        return None if entry is None else entry[0]
 
     def _free_host(self, cell: list[int]) -> None:
         if self._open:
@@ -121,6 +131,8 @@ class LiveBytesTracker(TorchDispatchMode):
             self.host_peak = max(self.host_peak, self.host_current)
             cell[0] = storage.nbytes()
             return
+        if self.log is not None:
+            self.log.irregular += 1  # resized in place: not a request and a free of the log's kind
         handle, finalizer = self._blocks.pop(storage, (None, None))
         if finalizer is not None and finalizer.detach() is not None:
             self._free(handle)
@@ -188,6 +200,41 @@ class LiveBytesTracker(TorchDispatchMode):
         # 0-dim tensors are left out: CUDA ops take CPU scalars beside device tensors (AdamW's step counters)
         storages = [t.untyped_storage() for t in storage_tensors((args, kwargs)) if t.dim() and t.device.type != "meta"]
         return bool(storages) and all(s in self._host for s in storages)
+
+
+class AllocationLog:
+    """The device allocations and frees the tracker made while it held this log, in order (for
+    vlmprobe.estimate.step_replay): `events` holds an allocation as its size in bytes (>= 0) and a free as
+    -1 - the index of the allocation it frees. What it cannot hold as such is counted in `irregular`: a free of a
+    block allocated before the log began, a storage resized in place. `marks` are event indexes a caller set.""" 
+
+    def __init__(self):
+        self.events: list[int] = []
+        self.marks: list[int] = []
+        self.irregular = 0
+        self.live: dict[int, int] = {}  # handle -> index of its allocation, while it lives
+
+    def malloc(self, handle: int, nbytes: int) -> None:
+        if handle:  # 0: a zero-size storage, no block
+            self.live[handle] = len(self.events)
+            self.events.append(nbytes)
+
+    def free(self, handle: int) -> None:
+        if not handle:
+            return
+        index = self.live.pop(handle, None)
+        if index is None:
+            self.irregular += 1
+        else:
+            self.events.append(-1 - index)
+
+    def mark(self) -> None:
+        self.marks.append(len(self.events))
+
+    def index_of(self, tracker: LiveBytesTracker, tensor: torch.Tensor) -> int | None:
+        """The index of the allocation of `tensor`'s storage, if it was allocated in this log and lives."""
+        handle = tracker.handle_of(tensor.untyped_storage())
+        return None if handle is None else self.live.get(handle)
 
 
 @functools.cache

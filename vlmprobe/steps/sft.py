@@ -6,6 +6,7 @@ was (vlmprobe.steps.common: one peak window per phase).
 
 from __future__ import annotations
 
+import functools
 import time
 
 from vlmprobe.steps.common import Meter, PhaseClock, StepReport
@@ -14,7 +15,7 @@ PHASES = ("forward", "backward", "optimizer")
 
 
 def train_steps(spec, engine, batch, meter: Meter, steps: int, autocast, report: StepReport,
-                accum: int = 1, hold_outputs: bool = False) -> None:
+                accum: int = 1, hold_outputs: bool = False, replay=None) -> None:
     """Run `steps` optimizer steps of `accum` micro batches each, filling `report` as they go (so an
     out-of-memory leaves what was measured before it); `autocast` is a zero-arg factory of the forward's
     autocast context. Phase peaks are per micro step, the max over all of them. `engine`
@@ -22,19 +23,36 @@ def train_steps(spec, engine, batch, meter: Meter, steps: int, autocast, report:
 
     hold_outputs keeps each forward's outputs (the logits) alive until the next forward has returned, as a
     loop that writes `_, loss = model(...)` does (nanoVLM's measure_vram.py); otherwise they die with the
-    forward, once autograd no longer needs them."""
+    forward, once autograd no longer needs them.
+
+    replay (vlmprobe.estimate.step_replay, the estimate's): runs the first forward and backward and replays the
+    later ones from their allocations. Not with accumulation: a micro step's backward adds into the gradients the
+    one before it made, so micro steps differ."""
     clock = PhaseClock(meter, report)
-    held = None
+    held = loss = None
+
+    def forward():
+        # rebinding `loss` here lets the previous micro step's loss die inside autocast, before the division
+        # allocates, where a loop that writes `loss = model(...)` drops it
+        nonlocal loss
+        with autocast():
+            loss, outputs = spec.loss(engine.model, batch)
+            if accum > 1:
+                loss = loss / accum  # the mean over the effective batch, as accumulation loops do
+        return loss, outputs
+
+    if replay is not None and accum == 1:
+        forward = functools.partial(replay.forward, forward)
+        backward = functools.partial(replay.backward, engine.backward)
+    else:
+        backward = engine.backward
     for _ in range(steps):
         started = time.perf_counter()
         engine.zero_grad()
         clock.open_step()
         for _ in range(accum):
             before_forward = meter.current()
-            with autocast():
-                loss, outputs = spec.loss(engine.model, batch)
-                if accum > 1:
-                    loss = loss / accum  # the mean over the effective batch, as accumulation loops do
+            loss, outputs = forward()
             kept = outputs if hold_outputs else None  # this reference is what keeps them alive
             del outputs  # unless kept, the outputs die here once autograd no longer needs them
             # read while the previous step's held outputs are still alive: they are in `before_forward` too,
@@ -43,7 +61,7 @@ def train_steps(spec, engine, batch, meter: Meter, steps: int, autocast, report:
             report.activations_bytes = meter.current() - before_forward
             held = kept  # rebinding lets the previous outputs die, as `_, loss = model(...)` does
             clock.close("forward")
-            engine.backward(loss)
+            backward(loss)
             clock.close("backward")
         report.grads_bytes = engine.grads_bytes()
         engine.step()
