@@ -57,7 +57,11 @@ class StepReplay:
         if self.recorded:
             return run()
         self._log = self.tracker.log = AllocationLog()
-        results = run()
+        try:
+            results = run()
+        except BaseException:  # (an out-of-memory: the point ends here)
+            self.tracker.log = None
+            raise
         self._log.mark()  # the forward ends: only Python's frees may come until the backward starts
         self._results = _Results.of(results, self._log, self.tracker)
         return results
