@@ -12,7 +12,8 @@ The replay has to leave Python as the real pass would, because what Python holds
 - the forward's results (loss, outputs): fresh fake tensors of the same shapes, strides and dtypes on a fresh
   storage of the same size, allocated at the point of the log where step 1 allocated theirs. The step loop then
   drops and holds them as it held step 1's (measure.hold_outputs), so the frees Python makes happen where they
-  did. One autograd kept alive past the forward is held here until the log's point where the backward freed it;
+  did. A result that autograd saved for the backward is held here until the log's point where the backward
+  freed it;
 - the backward's gradients: fresh fake tensors at the log's points where step 1's were allocated, set as each
   parameter's .grad, so the optimizer step reads them and zero_grad frees them as it freed step 1's;
 - every other block (saved activations, temporaries): a bare block of the allocator model, allocated and freed
@@ -22,7 +23,7 @@ A log is replayed only if it accounts for every block it touched: the forward's 
 returns are the results or are freed in the backward; the backward's blocks still alive at its end are
 gradients; no block allocated before the log is freed in it; nothing is allocated between the forward and the
 backward. Anything else (a module caching a tensor on its first call, a wrapper that rebuilds buffers on its
-second step as DDP does) and every later step runs for real. Which engines repeat their steps alike is the
+second step as DDP does), and every step runs for real. Which engines repeat their steps alike is the
 engine's to say (Engine.repeats_steps); the cpu backend never replays, so estimate == cpu checks the replay.
 """
 
