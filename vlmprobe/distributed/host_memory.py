@@ -53,6 +53,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import weakref
+from unittest import mock
 
 import torch
 
@@ -146,18 +147,11 @@ def pinned_copy(tensor: torch.Tensor) -> torch.Tensor:
 
 @contextlib.contextmanager
 def _patched(patches: dict):
-    """Set each (owner, name) to its value, and put back what was there (or nothing) on the way out."""
-    saved = {(owner, name): owner.__dict__.get(name) for owner, name in patches}
-    try:
+    """Each (owner, name) set to its value while on (mock puts back what was there, or nothing)."""
+    with contextlib.ExitStack() as stack:
         for (owner, name), value in patches.items():
-            setattr(owner, name, value)
+            stack.enter_context(mock.patch.object(owner, name, value))
         yield
-    finally:
-        for (owner, name), value in saved.items():
-            if value is None:
-                delattr(owner, name)
-            else:
-                setattr(owner, name, value)
 
 
 @contextlib.contextmanager
