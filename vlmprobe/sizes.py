@@ -5,7 +5,8 @@ from __future__ import annotations
 import re
 
 from vlmprobe.errors import ConfigError
-from vlmprobe.estimate.tracker import BYTE_UNITS
+
+BYTE_UNITS = {"B": 1, "bytes": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40}  # 1024-based, as CUDA prints
 
 _SIZE = re.compile(r"^\s*([\d.]+)\s*(B|KiB|MiB|GiB|TiB)?\s*$")
 

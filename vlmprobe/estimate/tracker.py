@@ -33,6 +33,7 @@ from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper
 
 from vlmprobe.estimate.alloc_conf import AllocatorSettings
 from vlmprobe.estimate.allocator import CachingAllocatorModel
+from vlmprobe.sizes import BYTE_UNITS
 
 _DEVICE = torch.ops.prim.device.default
 _FROM_PYTHON_DATA = (torch.ops.aten.lift_fresh.default, torch.ops.aten.lift_fresh_copy.default)
@@ -270,7 +271,6 @@ def storage_tensors(tree, found: list | None = None) -> list[torch.Tensor]:
 
 
 _REQUEST = re.compile(r"Tried to allocate ([\d.]+) (bytes|KiB|MiB|GiB|TiB)")
-BYTE_UNITS = {"B": 1, "bytes": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40}  # 1024-based, as CUDA prints
 
 
 def segment_bytes_in_message(message: str) -> int | None:
