@@ -29,6 +29,17 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+@pytest.fixture(autouse=True)
+def no_optimizer_logs_kept():
+    """Every test starts with no optimizer step logs kept from another's points (vlmprobe.estimate.step_replay
+    keeps them across the points of a process); a test that measures a point after another says so."""
+    from vlmprobe.estimate.step_replay import OPTIMIZER_PLANS
+
+    OPTIMIZER_PLANS.clear()
+    yield
+    OPTIMIZER_PLANS.clear()
+
+
 @pytest.fixture
 def compose():
     """compose(overrides) -> DictConfig, from conf/ as the CLI composes it."""

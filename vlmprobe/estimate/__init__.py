@@ -15,7 +15,9 @@ Modules:
 - fake_patches.py: where libraries read data of fake tensors, the answer a real run gets
 - fast_fake.py: FakeTensorMode made cheaper per op (views answered directly, a cheaper cache key), same answers
 - step_replay.py: a plain point's steps after the first: forward and backward replayed from the first step's
-  logged allocations into the allocator model, where that log accounts for every block; the same figures
+  logged allocations into the allocator model, where that log accounts for every block; its optimizer steps
+  replayed from an earlier point's of this process with the same parameters, gradients and optimizer settings;
+  the same figures
 
 Modelling decisions (each one is what CUDA would do, applied on fake CPU tensors):
 - Fake CPU tensors under FakeTensorMode: fake CUDA tensors abort a CPU-only build, so shapes, dtypes and

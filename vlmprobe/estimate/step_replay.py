@@ -1,4 +1,5 @@
-"""The estimate's later training steps replayed from the first one's allocations, without running the model again.
+"""The estimate's training steps replayed from logged allocations, without running the model again: a point's
+later forward and backward from its first ones, and its optimizer steps from an earlier point's.
 
 An estimate point spends most of its time in per-op fake-tensor dispatch, and a plain step (one device, one micro
 batch a step) runs the same program on the same shapes every time: the forward and the backward of step 2 ask the
@@ -25,9 +26,21 @@ gradients; no block allocated before the log is freed in it; nothing is allocate
 backward. Anything else (a module caching a tensor on its first call, a wrapper that rebuilds buffers on its
 second step as DDP does), and every step runs for real. Which engines repeat their steps alike is the
 engine's to say (Engine.repeats_steps); the cpu backend never replays, so estimate == cpu checks the replay.
+
+The optimizer step reads the parameters, their gradients and its own state, never the batch: points that differ
+only in what the forward sees (batch, length, image size, held outputs, allocator settings) ask the allocator for
+the same blocks in each optimizer step. A process that measures many points (a pool worker; the sweep process
+under launcher=local) keeps each optimizer step's log by a key of what can change those blocks (OptimizerPlans),
+and a later point with that key replays all of its optimizer steps from the logs: temporaries as bare blocks,
+the state the first step makes as fresh tensors put in the optimizer's state, so the figures read from it are
+the same. A step's log is kept only if every block it leaves alive is a state tensor's and it frees nothing
+allocated before it. A point with a step no log is kept of runs every optimizer step (and logs that one).
 """
 
 from __future__ import annotations
+
+import collections
+import functools
 
 import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
@@ -39,17 +52,37 @@ _PLAIN = (type(None), bool, int, float, str)
 
 
 class StepReplay:
-    """Wraps a step's forward and backward: the first call of each runs and is logged; once both are and the log
-    accounts for every block, later calls replay it (see the module doc)."""
+    """Wraps a point's forward, backward and optimizer step (see the module doc): the first forward and backward
+    run and are logged, and later ones replay that log once it accounts for every block; each optimizer step is
+    replayed from the logs of an earlier point of this process with the same optimizer key, or run (and logged
+    where no such log is kept yet)."""
 
-    def __init__(self, tracker: LiveBytesTracker, parameters: list[torch.nn.Parameter]):
+    def __init__(self, tracker: LiveBytesTracker, parameters: list[torch.nn.Parameter],
+                 optimizer: torch.optim.Optimizer | None = None):
         self.tracker = tracker
         self.parameters = parameters
+        self.optimizer = optimizer
         self.plan: _Plan | None = None
         self.recorded = False  # step 1's forward and backward have run (replayable or not)
         self.refused: str | None = None  # why the log is not replayed
+        self.optimizer_replayed = False  # this point's optimizer steps were replayed from an earlier point's
         self._log: AllocationLog | None = None
         self._results = None  # the logged forward's results, described (no tensor of them is kept)
+        self._steps = 0  # optimizer steps this point will run
+        self._stepped = 0  # optimizer steps run or replayed so far
+        self._key = None  # the optimizer's key (OptimizerPlans.key), from its first step
+        self._optimizer_plans: list | None = None  # one per step, where every one is known
+
+    def wrap(self, forward, backward, step, steps: int, accum: int):
+        """The loop's forward, backward and optimizer step (callables as train_steps calls them) for a point of
+        `steps` optimizer steps of `accum` micro batches. The forward and backward are replayed only without
+        accumulation: a micro step's backward adds into the gradients the one before it made, so micro steps
+        differ. The optimizer step sees whole gradients either way."""
+        self._steps = steps
+        step = functools.partial(self.step, step)
+        if accum > 1:
+            return forward, backward, step
+        return functools.partial(self.forward, forward), functools.partial(self.backward, backward), step
 
     def forward(self, run):
         """`run()`'s (loss, outputs): run and logged the first time, replayed once the log is usable."""
@@ -82,6 +115,21 @@ class StepReplay:
             self.recorded = True
         self.plan, self.refused = _Plan.of(self._log, self._results, self.parameters, self.tracker)
         self._log = self._results = None
+
+    def step(self, run) -> None:
+        """`run()` (the engine's optimizer step), or its replay: every step of this point is replayed where this
+        process keeps a log of each for the optimizer's key; else each runs, logged if no log of it is kept."""
+        index, self._stepped = self._stepped, self._stepped + 1
+        if index == 0:
+            self._key = OPTIMIZER_PLANS.key(self.optimizer)
+            self._optimizer_plans = OPTIMIZER_PLANS.every(self._key, self._steps)
+            self.optimizer_replayed = self._optimizer_plans is not None
+        if self._optimizer_plans is not None:
+            self._optimizer_plans[index].run(self.tracker, self.optimizer)
+        elif self._key is None or OPTIMIZER_PLANS.known(self._key, index):
+            run()
+        else:
+            OPTIMIZER_PLANS.record(self._key, index, run, self.tracker, self.optimizer)
 
 
 class _View:
@@ -173,54 +221,181 @@ class _Plan:
         if any(events[index] % view.element_size for index, pairs in views.items() for _, view in pairs):
             return None, "a storage that is not a whole number of its tensors' elements"
 
-        def replayed(span):
-            out = []
-            for i in span:
-                size = events[i]
-                if size < 0:  # (what Python freed between the forward and the backward, it frees again)
-                    out.append(("free", -1 - size))
-                elif i in views:
-                    # held here until the backward frees it (autograd held it), else Python holds it
-                    out.append(("tensors", i, size, views[i], backward_start <= freed_at.get(i, -1)))
-                else:
-                    out.append(("block", i, size))
-            return out
-
-        return cls(tracker, results, replayed(range(forward_end)), replayed(range(backward_start, len(events)))), None
+        # a result autograd saved is held by the replay until the backward frees it; Python holds the others
+        held = functools.partial(_events, events, views=views, freed_at=freed_at, held_before=backward_start)
+        return cls(tracker, results, held(range(forward_end)), held(range(backward_start, len(events)))), None
 
     def forward(self):
-        self._run(self.forward_events)
+        _play(self.tracker, self.forward_events, self._blocks, self._place)
         leaves = [self._rebuilt[value] if kind == "tensor" else value for kind, value in self.results.slots]
         self._rebuilt.clear()
         return tree_unflatten(leaves, self.results.spec)
 
     def backward(self) -> None:
-        self._run(self.backward_events)
+        _play(self.tracker, self.backward_events, self._blocks, self._place)
 
-    def _run(self, events) -> None:
-        allocator = self.tracker.allocator
-        for event in events:
-            if event[0] == "block":
-                self._blocks[event[1]] = allocator.malloc(event[2])
-            elif event[0] == "free":
-                block = self._blocks.pop(event[1])
-                if isinstance(block, int):
-                    allocator.free(block)
-                # else a fresh storage, dropped here: the tracker frees its block as it dies, now
+    def _place(self, kind, where, tensor) -> None:
+        if kind == "grad":
+            where.grad = tensor
+        else:
+            self._rebuilt[where] = tensor
+
+
+def _events(events: list[int], span, views: dict, freed_at: dict, held_before: int) -> list[tuple]:
+    """The log's events in `span` as _play plays them: a free, fresh tensors (`views` of a storage), or a bare
+    block. A fresh storage freed at or after event `held_before` is held by the replay until then."""
+    out = []
+    for i in span:
+        size = events[i]
+        if size < 0:  # (what Python freed between the forward and the backward, it frees again)
+            out.append(("free", -1 - size))
+        elif i in views:
+            out.append(("tensors", i, size, views[i], held_before <= freed_at.get(i, -1)))
+        else:
+            out.append(("block", i, size))
+    return out
+
+
+def _play(tracker, events, blocks: dict, place) -> None:
+    """Play `events` into the tracker's allocator model; `blocks` holds what is allocated and not yet freed (a
+    bare block's handle, or a fresh storage the replay holds); `place(kind, where, tensor)` puts each fresh
+    tensor where the logged step had its tensor."""
+    allocator = tracker.allocator
+    for event in events:
+        if event[0] == "block":
+            blocks[event[1]] = allocator.malloc(event[2])
+        elif event[0] == "free":
+            block = blocks.pop(event[1])
+            if isinstance(block, int):
+                allocator.free(block)
+            # else a fresh storage, dropped here: the tracker frees its block as it dies, now
+        else:
+            _, index, size, views, held = event
+            # a new storage, charged by the tracker at this point of the log: the one tensor on it made
+            # directly where it fills it (most gradients: one op, not three), else views of a byte buffer
+            if len(views) == 1 and views[0][1].fills(size):
+                storage = views[0][1].new()
+                tensors = [storage]
             else:
-                _, index, size, views, kept = event
-                # a new storage, charged by the tracker at this point of the log: the one tensor on it made
-                # directly where it fills it (most gradients: one op, not three), else views of a byte buffer
-                if len(views) == 1 and views[0][1].fills(size):
-                    storage = views[0][1].new()
-                    tensors = [storage]
-                else:
-                    storage = torch.empty(size, dtype=torch.uint8, device=views[0][1].device)
-                    tensors = [view.on(storage) for _, view in views]
-                for ((kind, where), _), tensor in zip(views, tensors):
-                    if kind == "grad":
-                        where.grad = tensor
-                    else:
-                        self._rebuilt[where] = tensor
-                if kept:
-                    self._blocks[index] = storage
+                storage = torch.empty(size, dtype=torch.uint8, device=views[0][1].device)
+                tensors = [view.on(storage) for _, view in views]
+            for ((kind, where), _), tensor in zip(views, tensors):
+                place(kind, where, tensor)
+            if held:
+                blocks[index] = storage
+
+
+class _OptimizerPlan:
+    """One logged optimizer step made replayable: its temporaries as bare blocks, and the state it made (first
+    steps) as fresh tensors put in the optimizer's state where the logged step put its own."""
+
+    def __init__(self, events: list[tuple]):
+        self.events = events
+
+    @classmethod
+    def of(cls, log: AllocationLog, optimizer, tracker) -> tuple[_OptimizerPlan | None, str | None]:
+        """The plan of a log of one optimizer step, or None and why, if a block it left alive is not the
+        storage of a state tensor, or it freed or resized a block allocated before it."""
+        if log.irregular:
+            return None, "freed a block allocated before it, or resized one in place"
+        events = log.events
+        views: dict[int, list] = {}
+        for position, p in enumerate(_parameters(optimizer)):
+            for key, t in optimizer.state.get(p, {}).items():
+                index = log.index_of(tracker, t) if isinstance(t, torch.Tensor) else None
+                if index is not None:
+                    views.setdefault(index, []).append((("state", (position, key)), _View(t)))
+        freed_at = {-1 - e: i for i, e in enumerate(events) if e < 0}
+        for index, size in enumerate(events):
+            if size >= 0 and index not in views and index not in freed_at:
+                return None, f"a block of {size} B outlives the optimizer step, not its state"
+        if any(events[index] % view.element_size for index, pairs in views.items() for _, view in pairs):
+            return None, "a storage that is not a whole number of its tensors' elements"
+        # the state outlives the step: held by the optimizer, never by the replay
+        return cls(_events(events, range(len(events)), views, freed_at, held_before=len(events))), None
+
+    def run(self, tracker, optimizer) -> None:
+        parameters = _parameters(optimizer)
+
+        def place(kind, where, tensor):
+            position, key = where
+            optimizer.state.setdefault(parameters[position], {})[key] = tensor
+
+        # Only the state tensors on the device are made: the host's (AdamW's scalar step counters) are read by
+        # no figure, and no step of this point runs for real after a replayed one (StepReplay.step)
+        _play(tracker, self.events, {}, place)
+
+
+def _parameters(optimizer) -> list:
+    return [p for group in optimizer.param_groups for p in group["params"]]
+
+
+class OptimizerPlans:
+    """The optimizer step logs this process keeps, across the points it measures (a pool worker, or the sweep
+    process under launcher=local, measures many one after another): by optimizer key and step index.
+
+    Points that differ only in what the forward sees (batch, length, image size, how outputs are held, the
+    allocator's settings) have optimizers that allocate the same blocks in the same order at each step: an
+    optimizer step reads the parameters, their gradients and its own state, never the batch. So a later point
+    with the same key replays each of its optimizer steps from the logs, when a log of every one of its steps is
+    kept; else all run for real. The key holds what can change those blocks: the optimizer's class and every
+    setting of each parameter group, and each parameter's and gradient's shape, strides, offset, dtype and
+    device, in the optimizer's order. A step's log is kept only if it accounts for every block (_OptimizerPlan.of);
+    one refused is kept as refused, so no later point logs it again."""
+
+    LIMIT = 8  # keys kept, the oldest dropped first (a sweep's points share a few: one per model and knobs)
+
+    def __init__(self):
+        self._plans: collections.OrderedDict = collections.OrderedDict()  # key -> {step index: plan or reason}
+
+    @staticmethod
+    def key(optimizer) -> tuple | None:
+        """What decides the blocks the optimizer's steps allocate (see the class doc), or None where a setting
+        is not a plain value (a tensor learning rate, a closure): such an optimizer is never replayed."""
+        if optimizer is None:
+            return None
+        groups = []
+        for group in optimizer.param_groups:
+            settings = tuple(sorted((k, v) for k, v in group.items() if k != "params"))
+            if not all(_plain(v) for _, v in settings):
+                return None
+            groups.append((settings, tuple(_layout(p) + (None if p.grad is None else _layout(p.grad),)
+                                           for p in group["params"])))
+        return type(optimizer).__module__, type(optimizer).__qualname__, tuple(groups)
+
+    def every(self, key, steps: int) -> list[_OptimizerPlan] | None:
+        """A plan for each of `steps` steps, where all are kept for `key`; else None."""
+        kept = self._plans.get(key, {}) if key is not None else {}
+        plans = [kept.get(index) for index in range(steps)]
+        return plans if all(isinstance(plan, _OptimizerPlan) for plan in plans) else None
+
+    def known(self, key, index: int) -> bool:
+        return index in self._plans.get(key, {})
+
+    def record(self, key, index: int, run, tracker, optimizer) -> None:
+        """Run step `index` logged; keep its plan, or why it is refused. An out-of-memory keeps nothing."""
+        log = tracker.log = AllocationLog()
+        try:
+            run()
+        finally:
+            tracker.log = None
+        plan, refused = _OptimizerPlan.of(log, optimizer, tracker)
+        self._plans.setdefault(key, {})[index] = plan if plan is not None else refused
+        self._plans.move_to_end(key)
+        while len(self._plans) > self.LIMIT:
+            self._plans.popitem(last=False)
+
+    def clear(self) -> None:
+        self._plans.clear()
+
+
+def _layout(t: torch.Tensor) -> tuple:
+    return tuple(t.shape), t.stride(), t.storage_offset(), t.dtype, t.device
+
+
+def _plain(value) -> bool:
+    return isinstance(value, _PLAIN + (torch.dtype,)) or (
+        isinstance(value, tuple) and all(_plain(v) for v in value))
+
+
+OPTIMIZER_PLANS = OptimizerPlans()

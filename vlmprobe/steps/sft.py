@@ -6,7 +6,6 @@ was (vlmprobe.steps.common: one peak window per phase).
 
 from __future__ import annotations
 
-import functools
 import time
 
 from vlmprobe.steps.common import Meter, PhaseClock, StepReport
@@ -26,8 +25,8 @@ def train_steps(spec, engine, batch, meter: Meter, steps: int, autocast, report:
     forward, once autograd no longer needs them.
 
     replay (vlmprobe.estimate.step_replay, the estimate's): runs the first forward and backward and replays the
-    later ones from their allocations. Not with accumulation: a micro step's backward adds into the gradients the
-    one before it made, so micro steps differ."""
+    later ones from their allocations (not with accumulation), and replays the optimizer steps from an earlier
+    point's where this process has logged them."""
     clock = PhaseClock(meter, report)
     held = loss = None
 
@@ -41,11 +40,9 @@ def train_steps(spec, engine, batch, meter: Meter, steps: int, autocast, report:
                 loss = loss / accum  # the mean over the effective batch, as accumulation loops do
         return loss, outputs
 
-    if replay is not None and accum == 1:
-        forward = functools.partial(replay.forward, forward)
-        backward = functools.partial(replay.backward, engine.backward)
-    else:
-        backward = engine.backward
+    backward, step = engine.backward, engine.step
+    if replay is not None:
+        forward, backward, step = replay.wrap(forward, backward, step, steps, accum)
     for _ in range(steps):
         started = time.perf_counter()
         engine.zero_grad()
@@ -64,7 +61,7 @@ def train_steps(spec, engine, batch, meter: Meter, steps: int, autocast, report:
             backward(loss)
             clock.close("backward")
         report.grads_bytes = engine.grads_bytes()
-        engine.step()
+        step()
         clock.close("optimizer")
         clock.end_step(time.perf_counter() - started)
     clock.finish(engine)
