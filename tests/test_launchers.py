@@ -223,9 +223,10 @@ class StandInWorker(sweep_module.ServingWorker):
         self.closed = "killed" if kill else "closed"
 
 
-def inline_pool(monkeypatch, up, points=8, seconds=0.05, start_s=0.0, first_seconds=None):
+def inline_pool(monkeypatch, up, points=8, seconds=0.05, start_s=0.0, first_seconds=None, inline=True, prestart=0):
     """Run `points` stand-in points under launcher=auto's pool (this process and one worker, worth starting once
-    the points left would take this process more than `start_s`): who measured each, and the workers made."""
+    the points left would take this process more than `start_s`; or, with inline=False, pool's two workers),
+    with `prestart` workers started before it: who measured each, and the workers made."""
     from types import SimpleNamespace
 
     monkeypatch.setattr(launchers, "WORKER_PAYS_S", start_s)
@@ -248,12 +249,17 @@ def inline_pool(monkeypatch, up, points=8, seconds=0.05, start_s=0.0, first_seco
 
     runner = SimpleNamespace(with_snapshot_file=lambda item: item.config, run=run, record=record)
     bar = SimpleNamespace(update=lambda n: None, set_postfix_str=lambda s: None)
-    launchers._run_pool(items, runner, 2, bar, None, inline=True)
+    modules = ("torch._dynamo", "vlmprobe.models.nanovlm", "vlmprobe.models.qwen2_vl")
+    started = launchers.Prestarted({}, modules, prestart) if prestart else None  # as prestart() makes them
+    launchers._run_pool(items, runner, 2, bar, None, inline=inline, started=started)
+    if started is not None:
+        started.close()
     assert sorted(by) == [str(i) for i in range(points)]  # every point exactly once ("here" or "worker", not both)
     took = [p for worker in StandInWorker.made for p in worker.took]
     assert sorted(took) == sorted(p for p, who in by.items() if who == "worker")
-    # each worker imports the points' model families before it takes one
-    assert all(w.families == ("vlmprobe.models.nanovlm", "vlmprobe.models.qwen2_vl") for w in StandInWorker.made)
+    # each worker imports the points' model families (and torch._dynamo, for the estimate) before it takes one
+    assert all(w.families == ("torch._dynamo", "vlmprobe.models.nanovlm", "vlmprobe.models.qwen2_vl")
+               for w in StandInWorker.made)
     return by, StandInWorker.made, ended
 
 
@@ -287,6 +293,51 @@ def test_under_auto_a_worker_that_dies_starting_says_why_and_this_process_measur
     by, _, _ = inline_pool(monkeypatch, up=False)
     assert set(by.values()) == {"here"}
     assert "vlmprobe: a pool worker could not start; stderr tail: ImportError: no torch here" in capsys.readouterr().err
+
+
+def test_workers_started_before_planning_are_the_pools_and_one_left_over_is_killed(monkeypatch):
+    by, made, _ = inline_pool(monkeypatch, up=True, inline=False, prestart=3)
+    assert len(made) == 3 and sum(bool(w.took) for w in made) == 2  # the pool's two workers: no other was made
+    assert sorted(w.closed for w in made) == ["closed", "closed", "killed"] and set(by.values()) == {"worker"}
+
+
+def test_under_auto_a_worker_started_before_planning_helps_from_the_first_point(monkeypatch):
+    # points worth no worker's start (WORKER_PAYS_S): one already started has paid it, and takes points at once
+    by, (worker,), _ = inline_pool(monkeypatch, up=True, start_s=launchers.WORKER_PAYS_S, prestart=1)
+    assert worker.took and worker.closed == "closed" and by["7"] == "here"
+
+
+@pytest.mark.parametrize("case,overrides,count", [
+    ("pool", ["launcher=pool", "launcher.jobs=2"], 2),
+    ("auto: this process is one", ["launcher=auto", "launcher.jobs=2"], 1),
+    ("pool, fewer points than jobs", ["launcher=pool", "launcher.jobs=3", "sweep.axes.data.batch_size=[1]"], 2),
+    ("local", ["launcher=local"], 0),
+    ("a fresh process per point", ["launcher=pool", "launcher.jobs=2", "measure.isolate=true"], 0),
+    ("distributed", ["launcher=pool", "launcher.jobs=2", "dist=fsdp2", "dist.world_size=2"], 0),
+    ("a search", ["launcher=pool", "launcher.jobs=2", "+find=max_batch", "memory_budget=1GiB"], 0),
+])
+def test_workers_are_started_before_planning_only_where_the_pool_will_take_them(monkeypatch, compose, case,
+                                                                                 overrides, count):
+    from omegaconf import OmegaConf
+
+    from vlmprobe.plan import grid_points
+
+    monkeypatch.setattr(launchers, "Prestarted", lambda env, modules, n: (modules, n))
+    line = ["+sweep=smoke", "measure.backend=estimate", *overrides]
+    base = OmegaConf.to_container(compose(line), resolve=True)
+    started = launchers.prestart(base, "estimate", len(grid_points(line, base)))
+    assert started == ((("torch._dynamo", "vlmprobe.models.nanovlm"), count) if count else None)
+
+
+def test_workers_started_before_planning_are_killed_when_planning_refuses_a_value(monkeypatch, tmp_path, capsys):
+    monkeypatch.setattr(sweep_module, "ServingWorker", StandInWorker)
+    monkeypatch.setattr(StandInWorker, "up", None)  # still importing torch when the refusal comes
+    monkeypatch.setattr(StandInWorker, "made", [])
+    # qwen2_vl_tiny's images take 18 tokens: a length of 16 is refused when the points are planned
+    assert main(["+sweep=smoke", "measure.backend=estimate", "launcher=pool", "launcher.jobs=2", "model=qwen2_vl_tiny",
+                 "sweep.axes.data.lm_max_length=[16]", f"results_dir={tmp_path}"]) == 2
+    assert "data.lm_max_length=16 is too short for qwen2_vl_tiny" in capsys.readouterr().err
+    assert [w.closed for w in StandInWorker.made] == ["killed", "killed"]
 
 
 def test_submitit_jobs_give_the_rows_local_gives_and_a_killed_job_keeps_its_finished_points(tmp_path, monkeypatch,

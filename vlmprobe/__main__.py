@@ -24,19 +24,10 @@ def say(line: str) -> None:
 
 
 def run(cfg, overrides: list[str], compose, state: dict) -> int:
-    import datetime
-
     from omegaconf import OmegaConf
 
     from vlmprobe import backends, launchers
-    from vlmprobe.errors import ConfigError
-    from vlmprobe.find import MaxBatchSearch
-    from vlmprobe.grid import flatten_axes, flatten_cases
-    from vlmprobe.plan import grid_points, plan
-    from vlmprobe.provenance import environment, write_env
-    from vlmprobe.report import write_reports
-    from vlmprobe.results import columns_for
-    from vlmprobe.sweep import Runner, describe_backend, run_sweep
+    from vlmprobe.plan import grid_points
 
     base = OmegaConf.to_container(cfg, resolve=True)
     base.pop("hydra", None)
@@ -46,7 +37,33 @@ def run(cfg, overrides: list[str], compose, state: dict) -> int:
     if base["resume"]:
         check_resume(Path(base["resume"]), base)
         state["out_dir"] = Path(base["resume"])  # its rows are kept whatever happens next
-    check_size(compose, overrides, base, len(grid_points(overrides, base)))
+    points = len(grid_points(overrides, base))
+    check_size(compose, overrides, base, points)
+    # the pool's workers import torch on the other cores while this process plans; ended below if not taken
+    started = None if base["dry_run"] else launchers.prestart(base, backend, points)
+    try:
+        return run_planned(base, backend, note, overrides, compose, state, started)
+    finally:
+        if started is not None:
+            started.close()
+
+
+def run_planned(base: dict, backend: str, note: str | None, overrides: list[str], compose, state: dict,
+                started) -> int:
+    """run() from the planning on."""
+    import datetime
+
+    from omegaconf import OmegaConf
+
+    from vlmprobe.errors import ConfigError
+    from vlmprobe.find import MaxBatchSearch
+    from vlmprobe.grid import flatten_axes, flatten_cases
+    from vlmprobe.plan import plan
+    from vlmprobe.provenance import environment, write_env
+    from vlmprobe.report import write_reports
+    from vlmprobe.results import columns_for
+    from vlmprobe.sweep import Runner, describe_backend, run_sweep
+
     search = MaxBatchSearch(compose, overrides, base) if base["find"] else None
     planned = search.planned if search else plan(compose, overrides, base)
     if note:
@@ -90,7 +107,7 @@ def run(cfg, overrides: list[str], compose, state: dict) -> int:
         if search:
             search.run(runner)
         else:
-            run_sweep(planned, runner, base["launcher"])
+            run_sweep(planned, runner, base["launcher"], started)
     except KeyboardInterrupt as exc:  # the CSV holds every finished row: make the tables from them, then say so
         interrupted = exc
     table, failures = write_reports(out_dir, axes, env)

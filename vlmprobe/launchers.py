@@ -17,6 +17,10 @@ the same thing under every one; only the order of the rows differs.
   worker's process group and writes no row after it. On cuda each pool thread holds a GPU of its own and
   pins its workers to it (CUDA_VISIBLE_DEVICES): two workers on one GPU would read each other's
   allocations into their peaks.
+  Under pool and auto, the workers a sweep of estimate or cpu points will use are started before its points
+  are planned (`prestart`): planning (composing and validating every point, each model built on the meta
+  device; ~5 s for seq_len on a 2-core machine, most of it importing torch) runs in this process while they
+  import torch and the model code on the other cores, so they are ready when the first point is.
   A distributed point (dist != none) runs its ranks' simulations (or, on cuda, torchrun over the visible
   GPUs) itself, so under pool it runs as under local: in this process, one at a time, once the pool's
   points are done.
@@ -118,9 +122,65 @@ def resolve(launcher: dict, backend: str, points: int) -> dict:
     return {**launcher, "name": "pool"} if min(slots, points) >= 2 else {**launcher, "name": "local"}
 
 
-def run_points(todo: list, runner, launcher: dict, bar) -> None:
+def worker_modules(configs: list[dict]) -> tuple[str, ...]:
+    """What a serving worker imports before it says READY: the model families of the points (a transformers
+    family brings transformers' modeling code, ~5 s here; nanoVLM's own modules need none of it) and, for the
+    estimate, torch._dynamo, which FakeTensorMode's first op imports (~2 s here)."""
+    families = {config["model"]["_target_"].rpartition(".")[0] for config in configs}
+    fake = any(config["measure"]["backend"] == "estimate" for config in configs)
+    return tuple(sorted(families | ({"torch._dynamo"} if fake else set())))
+
+
+class Prestarted:
+    """Serving workers started before the points are planned (`prestart`); _run_pool takes them as its workers,
+    and close() ends those it did not take (planning refused a value, a dry run, nothing left to run, Ctrl-C)."""
+
+    def __init__(self, env: dict, modules: tuple[str, ...], count: int):
+        from vlmprobe import child
+        from vlmprobe.sweep import ServingWorker
+
+        self.children = child.Children()
+        self._lock = threading.Lock()
+        self._workers = [ServingWorker(env, self.children, modules) for _ in range(count)]
+
+    def take(self, env: dict):
+        """A started worker of this environment (its allocator settings), while one is left; else None."""
+        from vlmprobe.sweep import allocator_settings
+
+        with self._lock:
+            for worker in self._workers:
+                if allocator_settings(worker.env) == allocator_settings(env):
+                    self._workers.remove(worker)
+                    return worker
+        return None
+
+    def close(self) -> None:
+        with self._lock:
+            workers, self._workers = self._workers, []
+        for worker in workers:
+            worker.close(kill=True)
+
+
+def prestart(base: dict, backend: str, points: int) -> Prestarted | None:
+    """Start now the workers that launcher=pool (or auto, beside this process) will run the `points` points of
+    this command line with, where they are long-lived workers (estimate, cpu; one device each; not
+    measure.isolate) and the points are a sweep, not a search; else None. The base config stands for the
+    points: their environment and model family are its own unless an axis changes them, and a point whose
+    differ gets a worker of its own as before."""
+    from vlmprobe.sweep import isolated, worker_env
+
+    launcher = base["launcher"]
+    config = {**base, "measure": {**base["measure"], "backend": backend}}
+    if (backend == "cuda" or base["dist"]["name"] != "none" or base.get("find") or isolated(config)
+            or resolve(launcher, backend, points)["name"] != "pool"):
+        return None
+    count = min(jobs(launcher, backend), points) - (launcher["name"] == "auto")  # auto: this process is one
+    return Prestarted(worker_env(config), worker_modules([config]), count) if count >= 1 else None
+
+
+def run_points(todo: list, runner, launcher: dict, bar, started: Prestarted | None = None) -> None:
     """Run the planned points `todo` (none of them with a row yet) through `runner`, updating `bar` as each
-    finishes."""
+    finishes; `started`: workers started for them before planning (prestart)."""
     from tqdm import tqdm
 
     from vlmprobe.sweep import isolated
@@ -145,7 +205,7 @@ def run_points(todo: list, runner, launcher: dict, bar) -> None:
         _run_submitit([item for item in todo if not item.skip], runner, launcher, bar)
     elif launcher["name"] == "pool":
         gpus = visible_gpus() if backend == "cuda" else None
-        _run_pool(poolable, runner, jobs(launcher, backend), bar, gpus, inline)
+        _run_pool(poolable, runner, jobs(launcher, backend), bar, gpus, inline, started)
     todo = [item for item in todo if item.point.id not in runner.done]  # skipped (and, under pool, distributed)
     for item in todo:
         bar.set_postfix_str(item.point.id)
@@ -153,7 +213,8 @@ def run_points(todo: list, runner, launcher: dict, bar) -> None:
         bar.update(1)
 
 
-def _run_pool(todo: list, runner, workers: int, bar, gpus: list[str] | None, inline: bool = False) -> None:
+def _run_pool(todo: list, runner, workers: int, bar, gpus: list[str] | None, inline: bool = False,
+              started: Prestarted | None = None) -> None:
     """Run `todo` `workers` at a time. Pool threads each take the next point from one queue and wait on a worker
     for it; this (main) thread records their rows. With `inline` (launcher=auto), this thread is one of the
     `workers` and measures points itself between recording rows; the pool threads start once its first point
@@ -162,12 +223,12 @@ def _run_pool(todo: list, runner, workers: int, bar, gpus: list[str] | None, inl
     from tqdm import tqdm
 
     from vlmprobe import child, interrupt
-    from vlmprobe.sweep import ServingWorker, call_worker, isolated, worker_env
+    from vlmprobe.sweep import ServingWorker, allocator_settings, call_worker, isolated, worker_env
     from vlmprobe.worker import error_row
 
     if not todo:
         return
-    children = child.Children()
+    children = started.children if started is not None else child.Children()
     free_gpus: queue.Queue | None = None
     if gpus is not None:
         free_gpus = queue.Queue()
@@ -194,13 +255,13 @@ def _run_pool(todo: list, runner, workers: int, bar, gpus: list[str] | None, inl
         """This thread's worker, started anew when it has ended or the point needs another environment (its
         allocator settings)."""
         current = getattr(mine, "worker", None)
-        if current is None or current.env != env or not current.alive():
+        if current is None or allocator_settings(current.env) != allocator_settings(env) or not current.alive():
             if current is not None:
                 current.close()
-            # imported before it says READY: the model families of the points (a transformers family brings
-            # transformers' modeling code, ~5 s here; nanoVLM's own modules need none of it)
-            families = sorted({item.config["model"]["_target_"].rpartition(".")[0] for item in todo})
-            mine.worker = current = ServingWorker(env, children, tuple(families))
+            current = started.take(env) if started is not None else None
+            if current is None:
+                current = ServingWorker(env, children, worker_modules([item.config for item in todo]))
+            mine.worker = current
             serving.append(current)
         return current
 
@@ -254,9 +315,9 @@ def _run_pool(todo: list, runner, workers: int, bar, gpus: list[str] | None, inl
             thread.join()
 
     # inline: this process's first point takes the longest (the first build); one still running after
-    # WORKER_PAYS_S says the points are worth a worker's start
+    # WORKER_PAYS_S says the points are worth a worker's start. Workers started before planning have paid it.
     slow_first = threading.Timer(WORKER_PAYS_S, start_helpers)
-    if inline:
+    if inline and started is None:
         slow_first.start()
     else:
         start_helpers()

@@ -45,6 +45,12 @@ def worker_env(config: dict) -> dict:
     return env
 
 
+def allocator_settings(env: dict) -> tuple:
+    """What a worker's environment says of its points: their allocator settings (the rest is this process's own
+    environment, which importing torch's compiler adds to: TORCHINDUCTOR_CACHE_DIR)."""
+    return tuple(env.get(k) for k in ALLOC_CONF_VARS)
+
+
 def call_worker(request: dict, env: dict, timeout: float | None, children: child.Children | None = None) -> dict:
     """Run `python -m vlmprobe.worker` on one request; its result, or a failed row. `children`: where a worker
     started off the main thread is registered, so that a Ctrl-C can end it (launcher=pool)."""
@@ -219,9 +225,9 @@ class Runner:
         return {**item.config, "measure": measure}
 
 
-def run_sweep(planned, runner: Runner, launcher: dict | None = None) -> None:
+def run_sweep(planned, runner: Runner, launcher: dict | None = None, started=None) -> None:
     """Run every planned point that has no row yet, with a progress bar, through the launcher (vlmprobe.launchers;
-    None: launcher=local)."""
+    None: launcher=local); `started`: its workers started before planning (launchers.prestart)."""
     from vlmprobe import launchers
 
     todo = [p for p in planned if p.point.id not in runner.done]
@@ -229,6 +235,6 @@ def run_sweep(planned, runner: Runner, launcher: dict | None = None) -> None:
         tqdm.write(f"resume: {len(planned) - len(todo)} of {len(planned)} points already have rows", file=sys.stderr)
     bar = tqdm(total=len(todo), desc="points", unit="point", dynamic_ncols=True)
     try:
-        launchers.run_points(todo, runner, launcher or {"name": "local"}, bar)
+        launchers.run_points(todo, runner, launcher or {"name": "local"}, bar, started)
     finally:
         bar.close()
