@@ -311,6 +311,7 @@ def test_under_auto_a_worker_started_before_planning_helps_from_the_first_point(
     ("pool", ["launcher=pool", "launcher.jobs=2"], 2),
     ("auto: this process is one", ["launcher=auto", "launcher.jobs=2"], 1),
     ("pool, fewer points than jobs", ["launcher=pool", "launcher.jobs=3", "sweep.axes.data.batch_size=[1]"], 2),
+    ("auto, 2 points: a worker would take none", ["launcher=auto", "sweep.axes.data.batch_size=[1]"], 0),
     ("local", ["launcher=local"], 0),
     ("a fresh process per point", ["launcher=pool", "launcher.jobs=2", "measure.isolate=true"], 0),
     ("distributed", ["launcher=pool", "launcher.jobs=2", "dist=fsdp2", "dist.world_size=2"], 0),

@@ -174,6 +174,8 @@ def prestart(base: dict, backend: str, points: int) -> Prestarted | None:
     if (backend == "cuda" or base["dist"]["name"] != "none" or base.get("find") or isolated(config)
             or resolve(launcher, backend, points)["name"] != "pool"):
         return None
+    if launcher["name"] == "auto" and points < 3:
+        return None  # auto's workers leave the last waiting point to this process: with 2, a worker takes none
     count = min(jobs(launcher, backend), points) - (launcher["name"] == "auto")  # auto: this process is one
     return Prestarted(worker_env(config), worker_modules([config]), count) if count >= 1 else None
 
