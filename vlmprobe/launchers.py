@@ -17,8 +17,8 @@ the same thing under every one; only the order of the rows differs.
   worker's process group and writes no row after it. On cuda each pool thread holds a GPU of its own and
   pins its workers to it (CUDA_VISIBLE_DEVICES): two workers on one GPU would read each other's
   allocations into their peaks.
-  Under pool and auto, the workers a sweep of estimate or cpu points will use are started before its points
-  are planned (`prestart`): planning (composing and validating every point, each model built on the meta
+  Under pool (and auto, for 3 points or more), the workers a sweep of estimate or cpu points will use are
+  started before its points are planned (`prestart`): planning (composing and validating every point, each model built on the meta
   device; ~5 s for seq_len on a 2-core machine, most of it importing torch) runs in this process while they
   import torch and the model code on the other cores, so they are ready when the first point is.
   A distributed point (dist != none) runs its ranks' simulations (or, on cuda, torchrun over the visible

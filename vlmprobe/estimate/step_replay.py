@@ -65,7 +65,6 @@ class StepReplay:
         self.plan: _Plan | None = None
         self.recorded = False  # step 1's forward and backward have run (replayable or not)
         self.refused: str | None = None  # why the log is not replayed
-        self.optimizer_replayed = False  # this point's optimizer steps were replayed from an earlier point's
         self._log: AllocationLog | None = None
         self._results = None  # the logged forward's results, described (no tensor of them is kept)
         self._steps = 0  # optimizer steps this point will run
@@ -123,7 +122,6 @@ class StepReplay:
         if index == 0:
             self._key = OPTIMIZER_PLANS.key(self.optimizer)
             self._optimizer_plans = OPTIMIZER_PLANS.every(self._key, self._steps)
-            self.optimizer_replayed = self._optimizer_plans is not None
         if self._optimizer_plans is not None:
             self._optimizer_plans[index].run(self.tracker, self.optimizer)
         elif self._key is None or OPTIMIZER_PLANS.known(self._key, index):
