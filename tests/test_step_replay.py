@@ -37,34 +37,30 @@ def optimizer_replays(monkeypatch):
     return seen
 
 
-@pytest.fixture
-def optimizer_logs(monkeypatch):
-    """Whether each logged optimizer step became a plan (True) or why not, in order."""
+def plans_made(monkeypatch, plan_class) -> list:
+    """Whether each log `plan_class.of` is given becomes a plan (True) or why not, in order."""
     made = []
-    of = step_replay._OptimizerPlan.of.__func__
+    of = plan_class.of.__func__
 
     def spy(cls, *args):
         plan, refused = of(cls, *args)
         made.append(plan is not None or refused)
         return plan, refused
 
-    monkeypatch.setattr(step_replay._OptimizerPlan, "of", classmethod(spy))
+    monkeypatch.setattr(plan_class, "of", classmethod(spy))
     return made
+
+
+@pytest.fixture
+def optimizer_logs(monkeypatch):
+    """Whether each logged optimizer step became a plan (True) or why not, in order."""
+    return plans_made(monkeypatch, step_replay._OptimizerPlan)
 
 
 @pytest.fixture
 def plans(monkeypatch):
-    """Whether each point's log became a replay plan (True) or why not, in order."""
-    made = []
-    of = step_replay._Plan.of.__func__
-
-    def spy(cls, *args):
-        plan, refused = of(cls, *args)
-        made.append(plan is not None or refused)
-        return plan, refused
-
-    monkeypatch.setattr(step_replay._Plan, "of", classmethod(spy))
-    return made
+    """Whether each point's log of its first forward and backward became a replay plan (True) or why not."""
+    return plans_made(monkeypatch, step_replay._Plan)
 
 
 @pytest.mark.parametrize("model", ["nanovlm_tiny", "qwen2_vl_tiny"])

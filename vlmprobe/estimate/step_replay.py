@@ -6,8 +6,9 @@ batch a step) runs the same program on the same shapes every time: the forward a
 allocator for exactly what step 1's did, in the same order. Only the allocator's state differs (step 1's optimizer
 made AdamW's state), and the allocator model is what turns the same requests into the figures. So step 1 runs
 for real while its requests and frees are logged (LiveBytesTracker.log), and each later forward and backward
-replays that log into the allocator model: the same blocks in the same order, each freed where it was freed. The
-optimizer step always runs for real (step 1's made the state; the later ones do not).
+replays that log into the allocator model: the same blocks in the same order, each freed where it was freed. A
+point's optimizer steps are not replayed from its own first (that one makes the state; the later ones do not), but
+from an earlier point's (below).
 
 The replay has to leave Python as the real pass would, because what Python holds decides what is freed after it:
 - the forward's results (loss, outputs): fresh fake tensors of the same shapes, strides and dtypes on a fresh
@@ -57,11 +58,9 @@ class StepReplay:
     replayed from the logs of an earlier point of this process with the same optimizer key, or run (and logged
     where no such log is kept yet)."""
 
-    def __init__(self, tracker: LiveBytesTracker, parameters: list[torch.nn.Parameter],
-                 optimizer: torch.optim.Optimizer | None = None):
+    def __init__(self, tracker: LiveBytesTracker, optimizer: torch.optim.Optimizer):
         self.tracker = tracker
-        self.parameters = parameters
-        self.optimizer = optimizer
+        self.optimizer = optimizer  # its parameters are the ones the backward gives gradients
         self.plan: _Plan | None = None
         self.recorded = False  # step 1's forward and backward have run (replayable or not)
         self.refused: str | None = None  # why the log is not replayed
@@ -112,7 +111,7 @@ class StepReplay:
         finally:
             self.tracker.log = None
             self.recorded = True
-        self.plan, self.refused = _Plan.of(self._log, self._results, self.parameters, self.tracker)
+        self.plan, self.refused = _Plan.of(self._log, self._results, _parameters(self.optimizer), self.tracker)
         self._log = self._results = None
 
     def step(self, run) -> None:
@@ -195,11 +194,9 @@ class _Plan:
         events, (forward_end, backward_start) = log.events, log.marks
         if results is None:
             return None, "a result is neither a tensor the forward allocated nor a plain value"
-        if log.irregular:
-            return None, "freed a block allocated before it, or resized one in place"
         if any(e >= 0 for e in events[forward_end:backward_start]):
             return None, "allocated between the forward and the backward"
-        freed_at = {-1 - e: i for i, e in enumerate(events) if e < 0}  # allocation index -> its free's index
+        freed_at = _freed_at(events)
         views = {index: [(("leaf", position), view) for position, view in pairs]
                  for index, pairs in results.views.items()}
         for p in parameters:
@@ -216,9 +213,9 @@ class _Plan:
                 return None, f"a block of {size} B outlives the step, neither a result nor a gradient"
             if index < forward_end <= freed < backward_start:
                 return None, f"a block of {size} B that is not a result was freed after the forward"
-        if any(events[index] % view.element_size for index, pairs in views.items() for _, view in pairs):
-            return None, "a storage that is not a whole number of its tensors' elements"
-
+        refused = _refusal(log, views)
+        if refused:
+            return None, refused
         # a result autograd saved is held by the replay until the backward frees it; Python holds the others
         held = functools.partial(_events, events, views=views, freed_at=freed_at, held_before=backward_start)
         return cls(tracker, results, held(range(forward_end)), held(range(backward_start, len(events)))), None
@@ -237,6 +234,21 @@ class _Plan:
             where.grad = tensor
         else:
             self._rebuilt[where] = tensor
+
+
+def _freed_at(events: list[int]) -> dict[int, int]:
+    """A log's allocation index -> the index of its free, for the blocks it frees."""
+    return {-1 - e: i for i, e in enumerate(events) if e < 0}
+
+
+def _refusal(log: AllocationLog, views: dict) -> str | None:
+    """Why a log whose fresh tensors are `views` (allocation index -> [(where, _View)]) cannot be played back,
+    whichever step it is of; None if it can."""
+    if log.irregular:
+        return "freed a block allocated before it, or resized one in place"
+    if any(log.events[index] % view.element_size for index, pairs in views.items() for _, view in pairs):
+        return "a storage that is not a whole number of its tensors' elements"
+    return None
 
 
 def _events(events: list[int], span, views: dict, freed_at: dict, held_before: int) -> list[tuple]:
@@ -294,8 +306,6 @@ class _OptimizerPlan:
     def of(cls, log: AllocationLog, optimizer, tracker) -> tuple[_OptimizerPlan | None, str | None]:
         """The plan of a log of one optimizer step, or None and why, if a block it left alive is not the
         storage of a state tensor, or it freed or resized a block allocated before it."""
-        if log.irregular:
-            return None, "freed a block allocated before it, or resized one in place"
         events = log.events
         views: dict[int, list] = {}
         for position, p in enumerate(_parameters(optimizer)):
@@ -303,12 +313,13 @@ class _OptimizerPlan:
                 index = log.index_of(tracker, t) if isinstance(t, torch.Tensor) else None
                 if index is not None:
                     views.setdefault(index, []).append((("state", (position, key)), _View(t)))
-        freed_at = {-1 - e: i for i, e in enumerate(events) if e < 0}
+        freed_at = _freed_at(events)
         for index, size in enumerate(events):
             if size >= 0 and index not in views and index not in freed_at:
                 return None, f"a block of {size} B outlives the optimizer step, not its state"
-        if any(events[index] % view.element_size for index, pairs in views.items() for _, view in pairs):
-            return None, "a storage that is not a whole number of its tensors' elements"
+        refused = _refusal(log, views)
+        if refused:
+            return None, refused
         # the state outlives the step: held by the optimizer, never by the replay
         return cls(_events(events, range(len(events)), views, freed_at, held_before=len(events))), None
 
@@ -350,8 +361,6 @@ class OptimizerPlans:
     def key(optimizer) -> tuple | None:
         """What decides the blocks the optimizer's steps allocate (see the class doc), or None where a setting
         is not a plain value (a tensor learning rate, a closure): such an optimizer is never replayed."""
-        if optimizer is None:
-            return None
         groups = []
         for group in optimizer.param_groups:
             settings = tuple(sorted((k, v) for k, v in group.items() if k != "params"))

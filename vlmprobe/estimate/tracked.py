@@ -97,7 +97,7 @@ class TrackedBackend(Backend):
             return None
         from vlmprobe.estimate.step_replay import StepReplay
 
-        return StepReplay(meter.tracker, [p for p in engine.model.parameters() if p.requires_grad], engine.optimizer)
+        return StepReplay(meter.tracker, engine.optimizer)
 
     def predicted_device_bytes(self, meter, device) -> int | None:
         return device_profile.predicted_device_bytes(meter.reserved_peak(), device)
