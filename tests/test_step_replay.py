@@ -70,7 +70,7 @@ def test_replayed_steps_give_the_figures_of_running_every_step(point, monkeypatc
                  f"measure.hold_outputs={hold}", "measure.backend=estimate"]
     replayed = measure(point(overrides))
     assert plans == [True]  # the plain step is replayed, not quietly run: the speed-up is there
-    monkeypatch.setattr(TrackedBackend, "step_replay", lambda self, meter, engine: None)
+    monkeypatch.setattr(TrackedBackend, "step_replay", lambda self, meter, engine, towers=(): None)
     run = measure(point(overrides))
     assert replayed["status"] == run["status"] == "ok"
     assert {k: replayed[k] for k in BYTE_COLUMNS} == {k: run[k] for k in BYTE_COLUMNS}

@@ -21,6 +21,7 @@ from vlmprobe import quantization
 from vlmprobe.knobs import apply_knobs
 from vlmprobe.models.base import DataShape
 from vlmprobe.distributed import engines
+from vlmprobe.estimate.block_replay import Mismatch
 from vlmprobe.steps.common import StepReport
 from vlmprobe.steps.sft import train_steps
 
@@ -61,6 +62,13 @@ def is_out_of_memory(exc: BaseException) -> bool:
 def measure(point: dict) -> dict:
     """Outputs of one point (the sweep adds the inputs). `point` is the resolved config as plain data,
     with measure.backend already resolved to cuda, cpu or estimate."""
+    try:
+        return _measure(point, replay_blocks=True)
+    except Mismatch:  # the blocks did not repeat the first one's program as the replay needs: run every block
+        return _measure(point, replay_blocks=False)
+
+
+def _measure(point: dict, replay_blocks: bool) -> dict:
     from hydra.utils import instantiate
 
     backend = backends.get(point["measure"]["backend"])
@@ -114,7 +122,8 @@ def measure(point: dict) -> dict:
             else:
                 train_steps(spec, engine, batch, meter, point["measure"]["steps"], autocast, report,
                             accum=train["grad_accum_steps"], hold_outputs=point["measure"]["hold_outputs"],
-                            replay=backend.step_replay(meter, engine))
+                            replay=backend.step_replay(meter, engine,
+                                                       spec.repeated_blocks(model) if replay_blocks else ()))
         except Exception as exc:
             if not is_out_of_memory(exc):
                 raise

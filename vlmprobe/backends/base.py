@@ -45,9 +45,11 @@ class Backend(abc.ABC):
         """Write an allocator snapshot (history of every allocation) to `path`; False where there is none."""
         return False
 
-    def step_replay(self, meter, engine):
+    def step_replay(self, meter, engine, towers=()):
         """What replays later training steps from the first one's allocations (vlmprobe.estimate.step_replay),
-        where this backend can and the engine repeats its steps alike; None: every step runs."""
+        where this backend can and the engine repeats its steps alike; None: every step runs. `towers`: the
+        model's lists of blocks that run one program (ModelSpec.repeated_blocks), replayed within the first step
+        (vlmprobe.estimate.block_replay)."""
         return None
 
     def oom_columns(self, meter, message: str) -> dict:

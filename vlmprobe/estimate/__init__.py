@@ -18,6 +18,8 @@ Modules:
   logged allocations into the allocator model, where that log accounts for every block; its optimizer steps
   replayed from an earlier point's of this process with the same parameters, gradients and optimizer settings;
   the same figures
+- block_replay.py: within a point's first step, a tower's middle blocks replayed from its first block's forward
+  and its last block's backward, where the family says its blocks run one program (nanoVLM's); the same figures
 
 Modelling decisions (each one is what CUDA would do, applied on fake CPU tensors):
 - Fake CPU tensors under FakeTensorMode: fake CUDA tensors abort a CPU-only build, so shapes, dtypes and

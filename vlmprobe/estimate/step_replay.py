@@ -58,9 +58,11 @@ class StepReplay:
     replayed from the logs of an earlier point of this process with the same optimizer key, or run (and logged
     where no such log is kept yet)."""
 
-    def __init__(self, tracker: LiveBytesTracker, optimizer: torch.optim.Optimizer):
+    def __init__(self, tracker: LiveBytesTracker, optimizer: torch.optim.Optimizer, towers=()):
         self.tracker = tracker
         self.optimizer = optimizer  # its parameters are the ones the backward gives gradients
+        self.towers = towers  # lists of blocks that run one program, replayed within step 1 (block_replay)
+        self._blocks = None  # the installed BlockReplay, during step 1's forward and backward
         self.plan: _Plan | None = None
         self.recorded = False  # step 1's forward and backward have run (replayable or not)
         self.refused: str | None = None  # why the log is not replayed
@@ -89,10 +91,15 @@ class StepReplay:
         if self.recorded:
             return run()
         self._log = self.tracker.log = AllocationLog()
+        if self.towers:
+            from vlmprobe.estimate.block_replay import BlockReplay
+
+            self._blocks = BlockReplay(self.tracker, self.towers).install()
         try:
             results = run()
         except BaseException:  # (an out-of-memory: the point ends here)
             self.tracker.log = None
+            self._abandon_blocks()
             raise
         self._log.mark()  # the forward ends: only Python's frees may come until the backward starts
         self._results = _Results.of(results, self._log, self.tracker)
@@ -108,11 +115,22 @@ class StepReplay:
         self._log.mark()
         try:
             run(loss)
+        except BaseException:
+            self._abandon_blocks()
+            raise
         finally:
             self.tracker.log = None
             self.recorded = True
+        if self._blocks is not None:
+            blocks, self._blocks = self._blocks, None
+            blocks.close()  # block_replay.Mismatch: the point is measured again, every block run
         self.plan, self.refused = _Plan.of(self._log, self._results, _parameters(self.optimizer), self.tracker)
         self._log = self._results = None
+
+    def _abandon_blocks(self) -> None:
+        if self._blocks is not None:
+            self._blocks.abandon()
+            self._blocks = None
 
     def step(self, run) -> None:
         """`run()` (the engine's optimizer step), or its replay: every step of this point is replayed where this

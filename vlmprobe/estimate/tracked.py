@@ -91,13 +91,13 @@ class TrackedBackend(Backend):
                                                            settings=settings, allowed_maximum=allowed_maximum))
             yield TrackerMeter(tracker, capacity)
 
-    def step_replay(self, meter, engine):
+    def step_replay(self, meter, engine, towers=()):
         # fake tensors only: the cpu backend runs every step for real, so estimate == cpu checks the replay
         if not (self.fake and engine.repeats_steps):
             return None
         from vlmprobe.estimate.step_replay import StepReplay
 
-        return StepReplay(meter.tracker, engine.optimizer)
+        return StepReplay(meter.tracker, engine.optimizer, towers)
 
     def predicted_device_bytes(self, meter, device) -> int | None:
         return device_profile.predicted_device_bytes(meter.reserved_peak(), device)

@@ -65,6 +65,7 @@ class LiveBytesTracker(TorchDispatchMode):
         self._host: weakref.WeakKeyDictionary | None = None  # storage -> bytes, while host memory is told apart
         self.host_current = self.host_peak = 0
         self.log: AllocationLog | None = None  # while set, every device allocation and free is logged in it
+        self.after_free: dict[int, object] = {}  # handle -> callable(), called once that block is freed
 
     def track_host(self) -> None:
         """Tell host from device memory from now on (see the module doc)."""
@@ -112,6 +113,27 @@ class LiveBytesTracker(TorchDispatchMode):
             self.allocator.free(handle)
             if self.log is not None:
                 self.log.free(handle)
+            if self.after_free:
+                callback = self.after_free.pop(handle, None)
+                if callback is not None:
+                    callback()
+
+    def malloc_block(self, nbytes: int) -> int:
+        """A bare block of the allocator model (no storage), logged as a storage's would be; free_block frees it."""
+        handle = self.allocator.malloc(nbytes)
+        if self.log is not None:
+            self.log.malloc(handle, nbytes)
+        return handle
+
+    def free_block(self, handle: int) -> None:
+        self._free(handle)
+
+    def release(self, storage) -> None:
+        """Free the block of a device storage this tracker charged now, as if it had died here; its later death
+        frees nothing. For a replay whose logged step freed this storage here, while Python still holds it."""
+        handle, finalizer = self._blocks.pop(storage)
+        if finalizer.detach() is not None:
+            self._free(handle)
 
     def handle_of(self, storage) -> int | None:
         """The allocator model's handle of a device storage this tracker charged (None for any other)."""

@@ -93,6 +93,13 @@ class ModelSpec(abc.ABC):
         """{"vision": [...], "lm": [...]}: the modules the freeze / checkpointing / LoRA knobs act on (the LM
         with its head; a projector between the two belongs to neither and stays trainable)."""
 
+    def repeated_blocks(self, model: nn.Module) -> list[list[nn.Module]]:
+        """Lists of blocks that run one program, whatever their place (vlmprobe.estimate.block_replay replays
+        all but the first and last of each in the estimate's first step). None here: a family says so only
+        where its block code has nothing that depends on a block's index (transformers' layers read theirs:
+        sliding-window and full-attention layers alternate in some families)."""
+        return []
+
     @abc.abstractmethod
     def _construct(self) -> nn.Module:
         """Create the module (called under the device, dtype and no-init contexts)."""

@@ -225,6 +225,10 @@ class NanoVLMSpec(ModelSpec):
     def towers(self, model: nn.Module) -> dict[str, list[nn.Module]]:
         return {"vision": [model.vision], "lm": [model.lm]}
 
+    def repeated_blocks(self, model: nn.Module) -> list[list[nn.Module]]:
+        # our own blocks: each one's forward reads only its own settings and arguments, never its index
+        return [list(model.vision.blocks), list(model.lm.blocks)]
+
     def _construct(self) -> nn.Module:
         return NanoVLM(self.vision, self.text, self.native_image_size, self.pixel_shuffle_factor,
                        self.attn_implementation)
