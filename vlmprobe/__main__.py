@@ -317,4 +317,14 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    import atexit
+    import os
+
+    # The process ends without the interpreter's teardown, after every exit handler has run (logging's flush,
+    # weakref finalizers, multiprocessing's): handlers run last-registered first, and this one is registered
+    # before anything else is imported. The teardown deallocates torch's, transformers' and sympy's objects module
+    # by module: 1.1 s of every command here, after its last line was written (measured 2026-11-24).
+    exit_code = [1]
+    atexit.register(lambda: (sys.stdout.flush(), sys.stderr.flush(), os._exit(exit_code[0])))
+    exit_code[0] = main()
+    sys.exit(exit_code[0])
