@@ -376,10 +376,11 @@ class _Ticket:
                 else:
                     tracker.free_block(handle)
             elif kind == "input":
-                tracker.release(self.input.untyped_storage())
+                if self.input is None or not tracker.release(self.input.untyped_storage()):
+                    self.tower.problem("a replayed block's input was not a live block where the template freed its own")
                 self.input = None
-            else:
-                tracker.release(grad_out.untyped_storage())
+            elif not tracker.release(grad_out.untyped_storage()):
+                self.tower.problem("a replayed block's gradient was not a live block where the template freed its own")
         return (grad_out if template.passthrough else grad_in), grads
 
 

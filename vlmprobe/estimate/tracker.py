@@ -128,12 +128,15 @@ class LiveBytesTracker(TorchDispatchMode):
     def free_block(self, handle: int) -> None:
         self._free(handle)
 
-    def release(self, storage) -> None:
+    def release(self, storage) -> bool:
         """Free the block of a device storage this tracker charged now, as if it had died here; its later death
-        frees nothing. For a replay whose logged step freed this storage here, while Python still holds it."""
-        handle, finalizer = self._blocks.pop(storage)
-        if finalizer.detach() is not None:
-            self._free(handle)
+        frees nothing. For a replay whose logged step freed this storage here, while Python still holds it. False
+        if no block of it is live."""
+        handle, finalizer = self._blocks.pop(storage, (None, None))
+        if finalizer is None or finalizer.detach() is None:
+            return False
+        self._free(handle)
+        return True
 
     def handle_of(self, storage) -> int | None:
         """The allocator model's handle of a device storage this tracker charged (None for any other)."""
