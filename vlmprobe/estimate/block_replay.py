@@ -101,12 +101,7 @@ class _Segment:
         return cls(events, output - start, _View(out), alive)
 
     def same(self, other: _Segment) -> bool:
-        return (self.events == other.events and self.output == other.output
-                and _layout(self.view) == _layout(other.view))
-
-
-def _layout(view: _View) -> tuple:
-    return view.dtype, view.size, view.stride, view.offset, view.device
+        return self.events == other.events and self.output == other.output and self.view.layout == other.view.layout
 
 
 class _Tower:
@@ -166,7 +161,7 @@ class _Tower:
         last = len(self.blocks) - 1
         if index == 0 or index == last:
             return self._run(index, forward, args, kwargs, log)
-        if self.first is None or self.backward_start is not None or not self._same_call(args, kwargs):
+        if self.first is None or self.backward_start is not None or self._call_of(args, kwargs) != self.first_call:
             self.problem(f"block {index} cannot replay block 0 (other arguments, or no template)")
             self.first = None
             return forward(*args, **kwargs)
@@ -205,18 +200,12 @@ class _Tower:
                 out.register_hook(self._backward_begins)
         return out
 
-    def _call_of(self, args, kwargs) -> tuple:
-        """What a call must repeat: the hidden state's layout and grad flag; every other argument itself."""
+    @staticmethod
+    def _call_of(args, kwargs) -> tuple:
+        """What a call must repeat: the hidden state's layout and grad flag; every other argument itself (a tensor
+        by identity: one rotary table, one mask for every block)."""
         x = args[0]
-        others = tuple(id(a) if isinstance(a, torch.Tensor) else a for a in args[1:])
-        named = tuple(sorted((k, id(v) if isinstance(v, torch.Tensor) else v) for k, v in kwargs.items()))
-        return _layout(_View(x)), x.requires_grad, others, named
-
-    def _same_call(self, args, kwargs) -> bool:
-        try:
-            return self._call_of(args, kwargs) == self.first_call
-        except TypeError:  # an argument that cannot be compared
-            return False
+        return _View(x).layout, x.requires_grad, _plain(args[1:]), _plain(kwargs)
 
     def _watch(self, handle: int, callback) -> None:
         self.tracker.after_free[handle] = callback
@@ -340,7 +329,7 @@ class _Ticket:
             if e < 0:
                 tracker.free_block(blocks.pop(-1 - e))
             elif k == segment.output:
-                out = _fresh(segment.view, e)
+                out = segment.view.fresh(e)
             else:
                 blocks[k] = tracker.malloc_block(e)
         self.kept, self.input = blocks, (x if self.holds_input else None)
@@ -361,7 +350,7 @@ class _Ticket:
                 if fresh is None:
                     blocks[k] = tracker.malloc_block(event[1])
                     continue
-                tensor = _fresh(fresh[2], event[1])
+                tensor = fresh[2].fresh(event[1])
                 if fresh[0] == "grad":
                     grads[fresh[1]] = tensor
                     self.grads.append((self.params[fresh[1]], tracker.handle_of(tensor.untyped_storage())))
@@ -384,13 +373,6 @@ class _Ticket:
         return (grad_out if template.passthrough else grad_in), grads
 
 
-def _fresh(view: _View, nbytes: int) -> torch.Tensor:
-    """A new storage of `nbytes` holding one tensor laid out as `view`."""
-    if view.fills(nbytes):
-        return view.new()
-    return view.on(torch.empty(nbytes, dtype=torch.uint8, device=view.device))
-
-
 class _Replayed(torch.autograd.Function):
     @staticmethod
     def forward(ctx, ticket, x, *params):
@@ -411,8 +393,9 @@ _NAMES = {"target_name"}
 
 
 def _plain(value):
-    """A comparable description of a module attribute: plain values as themselves, containers item by item,
-    functions and partials by what they call, anything else by identity (a shared config object is one)."""
+    """A comparable description of a module attribute or a call's argument: plain values as themselves, containers
+    item by item, functions and partials by what they call, anything else by identity (a shared config object, a
+    tensor every block is given)."""
     if isinstance(value, _PLAIN):
         return value
     if isinstance(value, (list, tuple)):

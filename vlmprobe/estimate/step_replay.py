@@ -165,6 +165,17 @@ class _View:
     def on(self, storage: torch.Tensor) -> torch.Tensor:
         return storage.view(self.dtype).as_strided(self.size, self.stride, self.offset)
 
+    def fresh(self, nbytes: int) -> torch.Tensor:
+        """This tensor alone on a new storage of `nbytes`: made directly where it fills it (one op, not three),
+        else a view of a byte buffer."""
+        if self.fills(nbytes):
+            return self.new()
+        return self.on(torch.empty(nbytes, dtype=torch.uint8, device=self.device))
+
+    @property
+    def layout(self) -> tuple:
+        return self.size, self.stride, self.offset, self.dtype, self.device
+
 
 class _Results:
     """The forward's (loss, outputs) as a tree whose tensor leaves are described by the log index of their
@@ -299,10 +310,10 @@ def _play(tracker, events, blocks: dict, place) -> None:
             # else a fresh storage, dropped here: the tracker frees its block as it dies, now
         else:
             _, index, size, views, held = event
-            # a new storage, charged by the tracker at this point of the log: the one tensor on it made
-            # directly where it fills it (most gradients: one op, not three), else views of a byte buffer
-            if len(views) == 1 and views[0][1].fills(size):
-                storage = views[0][1].new()
+            # a new storage, charged by the tracker at this point of the log: the one tensor on it (most
+            # gradients), else views of a byte buffer
+            if len(views) == 1:
+                storage = views[0][1].fresh(size)
                 tensors = [storage]
             else:
                 storage = torch.empty(size, dtype=torch.uint8, device=views[0][1].device)
