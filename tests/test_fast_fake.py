@@ -174,3 +174,54 @@ def test_a_training_step_with_fake_tensor_modes_cache_cross_check_on_finds_no_di
     with torch._dynamo.config.patch(fake_tensor_cache_crosscheck_enabled=True):
         row = measure(config)
     assert row["status"] == "ok" and FakeTensorMode.cache_hits > hits
+
+
+def foreach_cases():
+    """(name, build(mode) -> the op's output, answered directly?): AdamW's and SGD's ops, then ones that must go to
+    FakeTensorMode: a tensor scalar, mixed dtypes, a transposed operand, integers, lists of two lengths."""
+    def lists(*dtypes):
+        return [[torch.empty(5, 3, dtype=d), torch.empty(7, dtype=d), torch.empty(0, 4, dtype=d)] for d in dtypes]
+
+    return [
+        ("add_ alpha", lambda: torch._foreach_add_(*lists(torch.float32, torch.float32), alpha=0.1), True),
+        ("mul_ scalar", lambda: torch._foreach_mul_(*lists(torch.bfloat16), 0.99), True),
+        ("lerp_", lambda: torch._foreach_lerp_(*lists(torch.float32, torch.float32), 0.1), True),
+        ("addcmul_", lambda: torch._foreach_addcmul_(*lists(torch.float32, torch.float32, torch.float32), 0.001), True),
+        ("addcdiv_ scalar list", lambda: torch._foreach_addcdiv_(*lists(torch.float16, torch.float16, torch.float16),
+                                                                 [-1e-3, -2e-3, -3e-3]), True),
+        ("sqrt", lambda: torch._foreach_sqrt(*lists(torch.float32)), True),
+        ("add list", lambda: torch._foreach_add(*lists(torch.bfloat16, torch.bfloat16), alpha=2), True),
+        ("maximum_", lambda: torch._foreach_maximum_(*lists(torch.float32, torch.float32)), True),
+        ("div_ tensor scalar", lambda: torch._foreach_div_(*lists(torch.float32), torch.tensor(2.0)), False),
+        ("add mixed dtypes", lambda: torch._foreach_add(*lists(torch.bfloat16, torch.float32)), False),
+        ("mul transposed", lambda: torch._foreach_mul([torch.empty(5, 3).t()], [torch.empty(3, 5)]), False),
+        ("add integers", lambda: torch._foreach_add(*lists(torch.int64), 0.5), False),
+        ("norm (a reduction)", lambda: torch._foreach_norm(*lists(torch.float32)), False),
+    ]
+
+
+@pytest.mark.parametrize("name, build, direct", foreach_cases(), ids=[c[0] for c in foreach_cases()])
+def test_an_elementwise_foreach_op_answered_directly_equals_fake_tensor_modes_answer(name, build, direct, monkeypatch):
+    with FakeTensorMode():
+        expected = build()
+    calls = []
+    original = FakeTensorMode.dispatch
+    monkeypatch.setattr(FakeTensorMode, "dispatch", lambda self, func, *a: calls.append(func) or original(self, func, *a))
+    with FastFakeTensorMode():
+        got = build()
+    assert (expected is None) == (got is None)
+    if expected is not None:
+        assert metadata(got) == metadata(expected)
+        assert len({t.untyped_storage()._cdata for t in got}) == len(got)  # each on a storage of its own
+    foreach_calls = [f for f in calls if f.__name__.startswith("_foreach_")]
+    assert (not foreach_calls) == direct  # answered here, or by FakeTensorMode's own dispatch
+
+
+def test_an_elementwise_foreach_op_is_charged_as_its_outputs():
+    with FastFakeTensorMode(), LiveBytesTracker() as tracker:
+        params = [torch.empty(64, 64), torch.empty(100)]
+        before = tracker.current
+        roots = torch._foreach_sqrt(params)
+        assert tracker.current - before == 64 * 64 * 4 + 512  # 100 floats: one 512-byte block
+        torch._foreach_add_(roots, 1e-8)
+        assert tracker.current - before == 64 * 64 * 4 + 512
