@@ -5,11 +5,14 @@ interruption from what it caused: no row is written after it, and it ends as an 
 
 from __future__ import annotations
 
+import _thread
 import contextlib
 import signal
+import sys
 import threading
 
 _received = False
+REDELIVER_S = 0.01  # after a Ctrl-C that a callback swallowed: time for the hook to return first
 
 
 def received() -> bool:
@@ -22,6 +25,21 @@ def _on_sigint(signum, frame):
     raise KeyboardInterrupt
 
 
+def _unraisable(previous):
+    """sys.unraisablehook while watching: a KeyboardInterrupt raised inside a finalizer or a weakref callback
+    (one of importlib's module-lock callbacks, say), where Python cannot pass an exception on and would print
+    "Exception ignored in ..." with a traceback, is delivered again as SIGINT to the main thread, a moment
+    later from another thread (delivered at once, the handler would raise it inside this hook): the handler then
+    raises it in the code the callback interrupted. Anything else goes to the hook before."""
+    def hook(unraisable):
+        if _received and isinstance(unraisable.exc_value, KeyboardInterrupt):
+            threading.Timer(REDELIVER_S, _thread.interrupt_main, (signal.SIGINT,)).start()
+            return
+        previous(unraisable)
+
+    return hook
+
+
 @contextlib.contextmanager
 def watching():
     global _received
@@ -29,8 +47,10 @@ def watching():
     if threading.current_thread() is not threading.main_thread():  # only the main thread gets signals
         yield
         return
-    previous = signal.signal(signal.SIGINT, _on_sigint)
+    previous, previous_hook = signal.signal(signal.SIGINT, _on_sigint), sys.unraisablehook
+    sys.unraisablehook = _unraisable(previous_hook)
     try:
         yield
     finally:
         signal.signal(signal.SIGINT, previous)
+        sys.unraisablehook = previous_hook

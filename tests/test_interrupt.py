@@ -1,0 +1,31 @@
+"""Ctrl-C while vlmprobe.interrupt watches: recorded, and raised where the code can pass it on."""
+
+import signal
+import time
+import weakref
+
+import pytest
+
+from vlmprobe import interrupt
+
+
+def test_a_ctrl_c_inside_a_weakref_callback_is_raised_after_it_instead_of_printed(capsys, monkeypatch):
+    monkeypatch.setattr(interrupt, "_received", False)  # put back afterwards: the next test saw no Ctrl-C
+    class Thing:
+        pass
+
+    def callback(_):  # as importlib's module-lock callbacks: an exception here cannot propagate
+        signal.raise_signal(signal.SIGINT)
+        for _ in range(100):  # the handler runs here, inside the callback
+            pass
+
+    started = time.monotonic()
+    with pytest.raises(KeyboardInterrupt), interrupt.watching():
+        thing = Thing()
+        ref = weakref.ref(thing, callback)
+        del thing
+        while time.monotonic() < started + 10:  # raised again here, once the callback is over
+            assert ref() is None
+    assert time.monotonic() < started + 5
+    assert interrupt.received()
+    assert "Exception ignored" not in capsys.readouterr().err
