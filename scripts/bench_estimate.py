@@ -31,7 +31,7 @@ CASES = [
     ("seq_len sweep (8 points), launcher=local", ["+sweep=seq_len", "launcher=local"], {"wall_s": 60.0}),
     # the same points, several at once (the target for the sweep: 12 s on a 2-core machine)
     ("seq_len sweep (8 points), launcher=pool", ["+sweep=seq_len", "launcher=pool"], {"wall_s": 12.0}),
-    # the default: this process measures points as under local, with workers helping once started
+    # the default: pool where points can run at once (here), else local
     ("seq_len sweep (8 points), launcher=auto", ["+sweep=seq_len", "launcher=auto"], {"wall_s": 12.0}),
     # the launcher issue's targets: a usual 100-point question in at most 2.5 minutes, under either launcher
     ("grid100 (100 points), launcher=local", ["+sweep=grid100", "launcher=local"], {"wall_s": 150.0}),

@@ -1,5 +1,6 @@
 """Child processes in a group of their own: a timeout or a Ctrl-C of the sweep ends the whole group."""
 
+import os
 import signal
 import time
 
@@ -95,3 +96,39 @@ def test_a_forked_child_runs_torch_ops_after_the_parent_has_run_them_on_several_
         assert child.run_forked(lambda: print(parallel_op()), timeout=30) == (0, f"{expected}\n", "")
     finally:
         torch.set_num_threads(threads)
+
+
+def test_a_started_fork_reads_its_input_writes_its_streams_and_is_killed_with_its_group():
+    def echo():
+        import os
+        import subprocess
+        import sys
+
+        subprocess.Popen(["sleep", "300"])  # in its group: killed with it
+        print("env", os.environ.get("VLMPROBE_TEST_ENV"), flush=True)
+        for line in sys.stdin:
+            print("got", line.strip(), flush=True)
+            print("to stderr", file=sys.stderr, flush=True)
+
+    children = child.Children()
+    proc = child.start_forked(echo, {"VLMPROBE_TEST_ENV": "given"}, children)
+    assert proc.stdout.readline() == "env given\n"  # the environment it was given, not this process's
+    proc.stdin.write("hello\n")
+    proc.stdin.flush()
+    assert proc.stdout.readline() == "got hello\n" and proc.stderr.readline() == "to stderr\n"
+    assert proc.poll() is None and os.getpgid(proc.pid) == proc.pid  # it leads a group of its own
+    children.kill()
+    assert proc.wait() == -signal.SIGKILL
+    deadline = time.monotonic() + 10  # nothing of its group is left once reaped: the sleep was killed with it
+    with pytest.raises(ProcessLookupError):
+        while time.monotonic() < deadline:
+            os.killpg(proc.pid, 0)
+            time.sleep(0.1)
+
+
+def test_a_started_fork_that_raises_exits_1_with_its_traceback():
+    def broken():
+        raise RuntimeError("broken on purpose")
+
+    proc = child.start_forked(broken, {})
+    assert proc.wait() == 1 and "RuntimeError: broken on purpose" in proc.stderr.read()

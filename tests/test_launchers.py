@@ -193,152 +193,65 @@ def test_pool_on_cuda_pins_each_running_worker_to_a_gpu_no_other_worker_holds(mo
 
 
 class StandInWorker(sweep_module.ServingWorker):
-    """A serving worker without a process: `up` says whether it ever starts (None: it is still importing when
-    the sweep ends; False: it dies starting), each point it measures takes `seconds`."""
+    """A serving worker without a process: each point it measures takes `seconds`; with `dies_after`, it is dead
+    once it has measured that many (its next call is a crash row, as a dead worker's)."""
 
-    up: bool | None = True
     seconds = 0.05
+    dies_after: int | None = None
     made: list = []
 
-    def __init__(self, env, children, families=()):
-        self.env, self.ready, self.closed, self.took = env, threading.Event(), None, []
-        self.families = families
-        self.made_at = time.perf_counter()
-        if self.up is not None:
-            self.ready.set()
+    def __init__(self, env, children):
+        self.env, self.closed, self.took = env, False, []
+        self.made_at, self.made_by = time.perf_counter(), threading.current_thread()
         StandInWorker.made.append(self)
 
     def alive(self):
-        return self.up is not False
+        return self.dies_after is None or len(self.took) < self.dies_after
 
     def call(self, request, timeout):
-        self.took.append(request["id"])
+        if not self.alive():
+            return {"status": "crash", "error": "worker killed by signal 9"}
+        self.took.append((request["id"], time.perf_counter()))
         time.sleep(self.seconds)
         return {"status": "ok"}
 
-    def stderr_tail(self):
-        return "ImportError: no torch here"
-
-    def close(self, kill=False):
-        self.closed = "killed" if kill else "closed"
+    def close(self):
+        self.closed = True
 
 
-def inline_pool(monkeypatch, up, points=8, seconds=0.05, start_s=0.0, first_seconds=None, inline=True, prestart=0):
-    """Run `points` stand-in points under launcher=auto's pool (this process and one worker, worth starting once
-    the points left would take this process more than `start_s`; or, with inline=False, pool's two workers),
-    with `prestart` workers started before it: who measured each, and the workers made."""
+def stand_in_pool(monkeypatch, points=8, dies_after=None):
+    """Run `points` stand-in points under launcher=pool with two workers: each point's status, and the workers."""
     from types import SimpleNamespace
 
-    monkeypatch.setattr(launchers, "WORKER_PAYS_S", start_s)
     monkeypatch.setattr(sweep_module, "ServingWorker", StandInWorker)
-    monkeypatch.setattr(StandInWorker, "up", up)
+    monkeypatch.setattr(StandInWorker, "dies_after", dies_after)
     monkeypatch.setattr(StandInWorker, "made", [])
-    measure = {"timeout_s": 10, "alloc_conf": None, "backend": "estimate", "isolate": "auto"}  # in-process locally
-    models = ["vlmprobe.models.nanovlm.NanoVLMSpec", "vlmprobe.models.qwen2_vl.Qwen2VLSpec"]
-    items = [SimpleNamespace(config={"measure": measure, "id": str(i), "model": {"_target_": models[i % 2]}},
-                             point=SimpleNamespace(id=str(i))) for i in range(points)]
-    by, ended = {}, {}
-
-    def run(item):  # what local does: measure in this process
-        time.sleep(first_seconds if first_seconds is not None and item.point.id == "0" else seconds)
-        by[item.point.id] = by.get(item.point.id, "") + "here"
-        ended[item.point.id] = time.perf_counter()
-
-    def record(item, out):
-        by[item.point.id] = by.get(item.point.id, "") + "worker"
-
-    runner = SimpleNamespace(with_snapshot_file=lambda item: item.config, run=run, record=record)
+    measure = {"timeout_s": 10, "alloc_conf": None, "backend": "estimate", "isolate": "auto"}  # no fresh process
+    items = [SimpleNamespace(config={"measure": measure, "id": str(i)}, point=SimpleNamespace(id=str(i)))
+             for i in range(points)]
+    statuses = {}
+    runner = SimpleNamespace(with_snapshot_file=lambda item: item.config,
+                             record=lambda item, out: statuses.setdefault(item.point.id, out["status"]))
     bar = SimpleNamespace(update=lambda n: None, set_postfix_str=lambda s: None)
-    modules = ("torch._dynamo", "vlmprobe.models.nanovlm", "vlmprobe.models.qwen2_vl")
-    started = launchers.Prestarted({}, modules, prestart) if prestart else None  # as prestart() makes them
-    launchers._run_pool(items, runner, 2, bar, None, inline=inline, started=started)
-    if started is not None:
-        started.close()
-    assert sorted(by) == [str(i) for i in range(points)]  # every point exactly once ("here" or "worker", not both)
-    took = [p for worker in StandInWorker.made for p in worker.took]
-    assert sorted(took) == sorted(p for p, who in by.items() if who == "worker")
-    # each worker imports the points' model families (and torch._dynamo, for the estimate) before it takes one
-    assert all(w.families == ("torch._dynamo", "vlmprobe.models.nanovlm", "vlmprobe.models.qwen2_vl")
-               for w in StandInWorker.made)
-    return by, StandInWorker.made, ended
+    launchers._run_pool(items, runner, 2, bar, None)
+    assert sorted(statuses) == [str(i) for i in range(points)]  # every point exactly once
+    return statuses, StandInWorker.made
 
 
-def test_under_auto_quick_points_start_no_worker(monkeypatch):
-    # 7 points left after the first, 0.05 s each here: 0.35 s, less than what pays a worker's start (WORKER_PAYS_S)
-    by, made, _ = inline_pool(monkeypatch, up=True, start_s=launchers.WORKER_PAYS_S)
-    assert set(by.values()) == {"here"} and made == []
-    by, made, ended = inline_pool(monkeypatch, up=True, start_s=0.3)  # worth one from the first point on (7 x 0.05 s)
-    assert len(made) == 1 and made[0].made_at >= ended["0"] and by["0"] == "here"
+def test_pool_forks_its_workers_before_any_point_runs_and_ends_them_once_every_row_is_in(monkeypatch):
+    statuses, made = stand_in_pool(monkeypatch)
+    assert set(statuses.values()) == {"ok"} and len(made) == 2 and all(w.closed for w in made)
+    first_point = min(at for w in made for _, at in w.took)
+    assert all(w.made_by is threading.main_thread() and w.made_at < first_point for w in made)
+    assert all(len(w.took) >= 2 for w in made)  # both measured points
 
 
-def test_under_auto_a_first_point_longer_than_a_worker_start_starts_one_while_it_runs(monkeypatch):
-    by, (worker,), ended = inline_pool(monkeypatch, up=True, start_s=0.3, first_seconds=1.0)
-    assert ended["0"] - 1.0 < worker.made_at < ended["0"]
-
-
-def test_under_auto_this_process_measures_points_and_a_started_worker_helps_leaving_it_the_last(monkeypatch):
-    by, (worker,), _ = inline_pool(monkeypatch, up=True)
-    assert set(by.values()) == {"here", "worker"} and worker.closed == "killed"  # every row in: nothing to finish
-    assert by["7"] == "here"  # points are taken in order, and the last one waiting is never a worker's
-
-
-def test_under_auto_a_worker_still_starting_when_the_points_are_done_takes_none_and_is_killed(monkeypatch):
-    started = time.time()
-    by, (worker,), _ = inline_pool(monkeypatch, up=None)
-    assert set(by.values()) == {"here"} and worker.closed == "killed"
-    assert time.time() - started < 8 * 0.05 + 2  # the points' own time: nothing waited on the worker
-
-
-def test_under_auto_a_worker_that_dies_starting_says_why_and_this_process_measures_every_point(monkeypatch, capsys):
-    by, _, _ = inline_pool(monkeypatch, up=False)
-    assert set(by.values()) == {"here"}
-    assert "vlmprobe: a pool worker could not start; stderr tail: ImportError: no torch here" in capsys.readouterr().err
-
-
-def test_workers_started_before_planning_are_the_pools_and_one_left_over_is_killed(monkeypatch):
-    by, made, _ = inline_pool(monkeypatch, up=True, inline=False, prestart=3)
-    assert len(made) == 3 and sum(bool(w.took) for w in made) == 2  # the pool's two workers: no other was made
-    assert [w.closed for w in made] == ["killed"] * 3 and set(by.values()) == {"worker"}
-
-
-def test_under_auto_a_worker_started_before_planning_helps_from_the_first_point(monkeypatch):
-    # points worth no worker's start (WORKER_PAYS_S): one already started has paid it, and takes points at once
-    by, (worker,), _ = inline_pool(monkeypatch, up=True, start_s=launchers.WORKER_PAYS_S, prestart=1)
-    assert worker.took and worker.closed == "killed" and by["7"] == "here"
-
-
-@pytest.mark.parametrize("case,overrides,count", [
-    ("pool", ["launcher=pool", "launcher.jobs=2"], 2),
-    ("auto: this process is one", ["launcher=auto", "launcher.jobs=2"], 1),
-    ("pool, fewer points than jobs", ["launcher=pool", "launcher.jobs=3", "sweep.axes.data.batch_size=[1]"], 2),
-    ("auto, 2 points: a worker would take none", ["launcher=auto", "sweep.axes.data.batch_size=[1]"], 0),
-    ("local", ["launcher=local"], 0),
-    ("a fresh process per point", ["launcher=pool", "launcher.jobs=2", "measure.isolate=true"], 0),
-    ("distributed", ["launcher=pool", "launcher.jobs=2", "dist=fsdp2", "dist.world_size=2"], 0),
-    ("a search", ["launcher=pool", "launcher.jobs=2", "+find=max_batch", "memory_budget=1GiB"], 0),
-])
-def test_workers_are_started_before_planning_only_where_the_pool_will_take_them(monkeypatch, compose, case,
-                                                                                 overrides, count):
-    from omegaconf import OmegaConf
-
-    from vlmprobe.plan import grid_points
-
-    monkeypatch.setattr(launchers, "Prestarted", lambda env, modules, n: (modules, n))
-    line = ["+sweep=smoke", "measure.backend=estimate", *overrides]
-    base = OmegaConf.to_container(compose(line), resolve=True)
-    started = launchers.prestart(base, "estimate", len(grid_points(line, base)))
-    assert started == ((("torch._dynamo", "vlmprobe.models.nanovlm"), count) if count else None)
-
-
-def test_workers_started_before_planning_are_killed_when_planning_refuses_a_value(monkeypatch, tmp_path, capsys):
-    monkeypatch.setattr(sweep_module, "ServingWorker", StandInWorker)
-    monkeypatch.setattr(StandInWorker, "up", None)  # still importing torch when the refusal comes
-    monkeypatch.setattr(StandInWorker, "made", [])
-    # qwen2_vl_tiny's images take 18 tokens: a length of 16 is refused when the points are planned
-    assert main(["+sweep=smoke", "measure.backend=estimate", "launcher=pool", "launcher.jobs=2", "model=qwen2_vl_tiny",
-                 "sweep.axes.data.lm_max_length=[16]", f"results_dir={tmp_path}"]) == 2
-    assert "data.lm_max_length=16 is too short for qwen2_vl_tiny" in capsys.readouterr().err
-    assert [w.closed for w in StandInWorker.made] == ["killed", "killed"]
+def test_a_worker_that_died_is_replaced_by_one_the_main_thread_forks_between_rows(monkeypatch):
+    # each worker is dead after one point: its pool thread gets a new one for the next, forked by the main thread
+    # (never by a pool thread: the main thread is then between rows, inside nothing)
+    statuses, made = stand_in_pool(monkeypatch, points=6, dies_after=1)
+    assert set(statuses.values()) == {"ok"} and len(made) == 6 and all(len(w.took) == 1 for w in made)
+    assert all(w.made_by is threading.main_thread() for w in made) and all(w.closed for w in made)
 
 
 def test_submitit_jobs_give_the_rows_local_gives_and_a_killed_job_keeps_its_finished_points(tmp_path, monkeypatch,

@@ -39,17 +39,10 @@ def run(cfg, overrides: list[str], compose, state: dict) -> int:
         state["out_dir"] = Path(base["resume"])  # its rows are kept whatever happens next
     points = len(grid_points(overrides, base))
     check_size(compose, overrides, base, points)
-    # the pool's workers import torch on the other cores while this process plans; ended below if not taken
-    started = None if base["dry_run"] else launchers.prestart(base, backend, points)
-    try:
-        return run_planned(base, backend, note, overrides, compose, state, started)
-    finally:
-        if started is not None:
-            started.close()
+    return run_planned(base, backend, note, overrides, compose, state)
 
 
-def run_planned(base: dict, backend: str, note: str | None, overrides: list[str], compose, state: dict,
-                started) -> int:
+def run_planned(base: dict, backend: str, note: str | None, overrides: list[str], compose, state: dict) -> int:
     """run() from the planning on."""
     import datetime
 
@@ -107,7 +100,7 @@ def run_planned(base: dict, backend: str, note: str | None, overrides: list[str]
         if search:
             search.run(runner)
         else:
-            run_sweep(planned, runner, base["launcher"], started)
+            run_sweep(planned, runner, base["launcher"])
     except KeyboardInterrupt as exc:  # the CSV holds every finished row: make the tables from them, then say so
         interrupted = exc
     table, failures = write_reports(out_dir, axes, env)

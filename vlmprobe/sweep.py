@@ -10,7 +10,6 @@ under launcher=pool, as soon as its point finishes: vlmprobe.launchers).
 from __future__ import annotations
 
 import collections
-import contextlib
 import hashlib
 import json
 import os
@@ -24,7 +23,7 @@ from tqdm import tqdm
 from vlmprobe import backends, child, interrupt
 from vlmprobe.distributed.ranks import RankWriter, measure_point
 from vlmprobe.results import RowWriter, mib, read_table
-from vlmprobe.worker import RAISED, READY, ROW_PREFIX, TAIL, error_row, measure
+from vlmprobe.worker import RAISED, ROW_PREFIX, TAIL, error_row, measure, serve
 
 def isolated(config: dict) -> bool:
     choice = config["measure"]["isolate"]
@@ -80,22 +79,21 @@ def _died(code: int, stderr: str) -> dict:
 
 
 class ServingWorker:
-    """A `python -m vlmprobe.worker --serve` that measures the points it is given one after another (launcher=pool,
-    for points that need no fresh process): the start-up, importing torch and the model code, is paid once per
-    worker instead of once per point. A point that outlives its timeout, or whose worker dies under it, is the
-    same failed row as under call_worker; that worker is then done with (alive() is false)."""
+    """A copy of this process (forked: torch, the model code and the backend are imported already) that measures
+    the points it is given one after another (vlmprobe.worker.serve; launcher=pool, for points that need no fresh
+    process). A point that outlives its timeout, or whose worker dies under it, is the same failed row as under
+    call_worker; that worker is then done with (alive() is false). Made only where nothing in this process is
+    inside a point (vlmprobe.launchers)."""
 
     STDERR_LINES = 400  # lines of stderr kept, for a failed row's tail
 
-    def __init__(self, env: dict, children: child.Children, families: tuple[str, ...] = ()):
-        """`families`: the modules of the model families its points will build, imported before it says READY."""
+    def __init__(self, env: dict, children: child.Children):
         self.env = env
         self._children = children
-        self._proc = child.start([sys.executable, "-m", "vlmprobe.worker", "--serve", *families], env, children)
+        self._proc = child.start_forked(serve, env, children)
         self._rows: queue.Queue = queue.Queue()  # result lines as they come, then None when stdout ends
         self._stderr: collections.deque = collections.deque(maxlen=self.STDERR_LINES)  # (line number, line)
         self._stderr_count = 0
-        self.ready = threading.Event()  # set once it has said READY, or its output has ended (died starting)
         threading.Thread(target=self._read_stdout, daemon=True).start()
         threading.Thread(target=self._read_stderr, daemon=True).start()
 
@@ -103,10 +101,7 @@ class ServingWorker:
         for line in self._proc.stdout:
             if line.startswith(ROW_PREFIX):
                 self._rows.put(line)
-            elif line.rstrip("\n") == READY:
-                self.ready.set()
         self._rows.put(None)
-        self.ready.set()
 
     def _read_stderr(self) -> None:  # read as it comes: a full pipe would block the worker
         for line in self._proc.stderr:
@@ -115,17 +110,6 @@ class ServingWorker:
 
     def alive(self) -> bool:
         return self._proc.poll() is None
-
-    def wait_ready(self, stop: threading.Event) -> bool:
-        """Wait until the worker can measure, or `stop` is set; whether it is up (False: it died starting, and
-        its stderr tail says why, or the wait was stopped)."""
-        while not self.ready.wait(0.1):
-            if stop.is_set():
-                return False
-        return self.alive()
-
-    def stderr_tail(self) -> str:
-        return self._tail(0)
 
     def call(self, request: dict, timeout: float | None) -> dict:
         """The outputs of one point, or its failed row."""
@@ -138,7 +122,7 @@ class ServingWorker:
         try:
             line = self._rows.get(timeout=timeout)
         except queue.Empty:
-            self.close(kill=True)
+            self.close()
             return {"status": "timeout", "error": f"no result after {timeout} s; stderr tail: {self._tail(mark)}"}
         if line is None:
             code = self._proc.wait()
@@ -150,13 +134,12 @@ class ServingWorker:
         """What the worker wrote to stderr since line `mark`, as far as it is kept."""
         return "".join(line for number, line in list(self._stderr) if number > mark).strip()[-TAIL:]
 
-    def close(self, kill: bool = False) -> None:
-        """End the worker: at the end of its input (it finishes the line it is on), or killed with its group."""
-        if kill:
+    def close(self) -> None:
+        """End the worker, killed with its group: it is between points (every row it gave is in), or past its
+        point's timeout. (Not at the end of its input: a worker forked after it holds a copy of that pipe.) One
+        already ended is only reaped: its pid may be another process's once reaped."""
+        if self._proc.poll() is None:
             child.kill_group(self._proc)
-        else:
-            with contextlib.suppress(OSError):
-                self._proc.stdin.close()
         self._proc.wait()
         self._children.discard(self._proc)
 
@@ -225,9 +208,9 @@ class Runner:
         return {**item.config, "measure": measure}
 
 
-def run_sweep(planned, runner: Runner, launcher: dict | None = None, started=None) -> None:
+def run_sweep(planned, runner: Runner, launcher: dict | None = None) -> None:
     """Run every planned point that has no row yet, with a progress bar, through the launcher (vlmprobe.launchers;
-    None: launcher=local); `started`: its workers started before planning (launchers.prestart)."""
+    None: launcher=local)."""
     from vlmprobe import launchers
 
     todo = [p for p in planned if p.point.id not in runner.done]
@@ -235,6 +218,6 @@ def run_sweep(planned, runner: Runner, launcher: dict | None = None, started=Non
         tqdm.write(f"resume: {len(planned) - len(todo)} of {len(planned)} points already have rows", file=sys.stderr)
     bar = tqdm(total=len(todo), desc="points", unit="point", dynamic_ncols=True)
     try:
-        launchers.run_points(todo, runner, launcher or {"name": "local"}, bar, started)
+        launchers.run_points(todo, runner, launcher or {"name": "local"}, bar)
     finally:
         bar.close()

@@ -26,7 +26,6 @@ from vlmprobe.steps.common import StepReport
 from vlmprobe.steps.sft import train_steps
 
 ROW_PREFIX = "VLMPROBE_ROW "
-READY = "VLMPROBE_READY"  # what a serving worker prints once it can measure (its imports done)
 TAIL = 2000  # characters of a traceback or of stderr kept in a failed row
 PHASES = ("generate", "reference", "forward", "backward", "optimizer")  # every step's phases, as row columns
 RAISED = 3  # exit code when the measurement raised: the sweep records status `error` with the traceback
@@ -184,25 +183,11 @@ def describe(backend_name: str) -> dict:
     return backends.get(backend_name).describe()
 
 
-def serve(families: list[str]) -> None:
-    """`python -m vlmprobe.worker --serve [MODULE ...]`: one point per stdin line, measured one after another in
-    this process, each result printed as soon as it is known (launcher=pool, for points that need no fresh
-    process: torch, the model code and the backend are imported once per worker, not once per point). A point
-    that raises is an `error` row, as when the sweep process measures it (vlmprobe.sweep.run_point), and the
-    next line is read. It says READY first, once what every point uses is imported (the MODULEs: the points'
-    model families, transformers' modeling code with a transformers family): launcher=auto gives a worker points
-    only from then on (vlmprobe.launchers)."""
-    import importlib
-
-    import hydra.utils
-
-    from vlmprobe.estimate import fast_fake
-
-    del hydra.utils, fast_fake  # imported for the points to come
-    for module in families:
-        importlib.import_module(module)
-    sys.stdout.write(READY + "\n")
-    sys.stdout.flush()
+def serve() -> None:
+    """A serving worker (vlmprobe.sweep.ServingWorker, forked from the sweep process): one point per stdin line,
+    measured one after another in this process, each result printed as soon as it is known. A point that raises
+    is an `error` row, as when the sweep process measures it (vlmprobe.sweep.run_point), and the next line is
+    read."""
     for line in sys.stdin:
         try:
             result = measure(json.loads(line))
@@ -218,9 +203,6 @@ def _print_row(result: dict) -> None:
 
 
 def main() -> None:
-    if sys.argv[1:2] == ["--serve"]:
-        serve(sys.argv[2:])
-        return
     if len(sys.argv) > 1:  # one rank of a distributed point: torchrun started it with the request's path
         from vlmprobe.distributed.launcher import run_rank
 
