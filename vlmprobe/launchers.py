@@ -143,7 +143,7 @@ def _run_pool(todo: list, runner, workers: int, bar, gpus: list[str] | None) -> 
     for it; this (main) thread records their rows and forks the long-lived workers (module doc): the first ones
     before any pool thread starts, a replacement when a pool thread asks for one (its worker died or timed out),
     between two rows. So no other thread of this process is inside anything but a wait when one is forked."""
-    from vlmprobe import child, interrupt
+    from vlmprobe import child, interrupt, report
     from vlmprobe.sweep import ServingWorker, allocator_settings, call_worker, isolated, worker_env
     from vlmprobe.worker import error_row
 
@@ -222,6 +222,10 @@ def _run_pool(todo: list, runner, workers: int, bar, gpus: list[str] | None) -> 
     threads = [threading.Thread(target=pool_thread, name=f"vlmprobe-pool-{i}", daemon=True) for i in range(count)]
     for thread in threads:
         thread.start()
+    # This thread only records rows from here on: the report's plotting library is imported meanwhile, not
+    # after the last row. A fork waits for that import to end: a child copies a half-made module otherwise
+    importing = threading.Thread(target=report.pyplot, name="vlmprobe-import-pyplot", daemon=True)
+    importing.start()
     left = len(todo)
     try:
         while left:
@@ -232,6 +236,7 @@ def _run_pool(todo: list, runner, workers: int, bar, gpus: list[str] | None) -> 
                 continue
             if ask[0] == "fork":
                 _, env, made = ask
+                importing.join()
                 worker = ServingWorker(env, children)
                 serving.append(worker)
                 made.put(worker)

@@ -231,6 +231,17 @@ def reference_markdown(out_dir: Path, table: pd.DataFrame) -> str:
     ])
 
 
+def pyplot():
+    """matplotlib's pyplot on the Agg backend (files, no display). Its first import is ~0.6 s here: a pool's
+    sweep process, which only waits on its workers, makes it while they run (vlmprobe.launchers)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
 def plot(table: pd.DataFrame, axes: list[str], path: Path, capacity_bytes: int | None = None,
          reference: pd.DataFrame | None = None, capacity_label: str = "capacity",
          reference_label: str = "reference") -> None:
@@ -240,10 +251,7 @@ def plot(table: pd.DataFrame, axes: list[str], path: Path, capacity_bytes: int |
     our line for the same combination. Points without a figure (OOM) are crosses in a band above the data,
     since they have no height of their own.
     """
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     x = "batch_size" if "data.batch_size" in axes or not axes else axis_column(axes[0])
     if "dist.world_size" in axes and x != "batch_size":  # per-GPU memory against the number of GPUs
@@ -300,10 +308,7 @@ def bar_plot(table: pd.DataFrame, columns: list[str], path: Path, capacity_bytes
              capacity_label: str) -> None:
     """Peak GiB as one horizontal bar per point, in sweep order, for axes whose values are names (sweep
     cases, optimizers); a point without a figure shows its status where its bar would be."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     labels = [", ".join(cell_text(v) for v in row) for row in table[columns].itertuples(index=False)]
     gib = [float(v) / GiB if s == "ok" else 0.0 for v, s in zip(table["peak_allocated_bytes"], table["status"])]
