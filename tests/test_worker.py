@@ -27,10 +27,14 @@ def test_isolated_worker_returns_the_same_row_as_an_in_process_run(point):
     assert {k: isolated[k] for k in figures} == {k: in_process[k] for k in figures}
 
 
-def test_a_serving_worker_measures_points_one_after_another_and_fails_each_as_a_fresh_worker_would(point, faulty_env):
-    # launcher=pool's long-lived worker: the same row as in-process for each point, whatever came before it;
-    # a point that raises is an error row and the worker goes on; one that kills it or outlives its timeout is
-    # the crash / timeout row of a fresh worker, and that worker is done
+@pytest.mark.parametrize("forks", [True, False], ids=["forked", "fresh interpreter"])
+def test_a_serving_worker_measures_points_one_after_another_and_fails_each_as_a_fresh_worker_would(point, faulty_env,
+                                                                                                   forks, monkeypatch):
+    # launcher=pool's long-lived worker (a fork of this process on Linux, a fresh interpreter elsewhere): the same
+    # row as in-process for each point, whatever came before it; a point that raises is an error row and the
+    # worker goes on; one that kills it or outlives its timeout is the crash / timeout row of a fresh worker,
+    # and that worker is done
+    monkeypatch.setattr(child, "FORKS", forks)
     ok = point(TINY)
     expected = measure(ok)
     figures = [k for k in expected if k.endswith("_bytes")]

@@ -20,6 +20,11 @@ import sys
 import threading
 
 
+# Where a child may be a fork of this process without exec: Linux. (macOS's system libraries are not safe to use
+# in a forked child; Windows has no fork.) Elsewhere a child is a fresh interpreter.
+FORKS = sys.platform == "linux"
+
+
 class Children:
     """The children running now, started from several threads; kill() ends every one of them and, at once,
     any started after it (a thread may be between deciding to start a worker and starting it)."""

@@ -79,18 +79,20 @@ def _died(code: int, stderr: str) -> dict:
 
 
 class ServingWorker:
-    """A copy of this process (forked: torch, the model code and the backend are imported already) that measures
-    the points it is given one after another (vlmprobe.worker.serve; launcher=pool, for points that need no fresh
-    process). A point that outlives its timeout, or whose worker dies under it, is the same failed row as under
-    call_worker; that worker is then done with (alive() is false). Made only where nothing in this process is
-    inside a point (vlmprobe.launchers)."""
+    """A process that measures the points it is given one after another (vlmprobe.worker.serve; launcher=pool,
+    for points that need no fresh process): on Linux a fork of this one (torch, the model code and the backend
+    are imported already), elsewhere a fresh `python -m vlmprobe.worker --serve` (child.FORKS). A point that
+    outlives its timeout, or whose worker dies under it, is the same failed row as under call_worker; that worker
+    is then done with (alive() is false). Made only where nothing in this process is inside a point
+    (vlmprobe.launchers)."""
 
     STDERR_LINES = 400  # lines of stderr kept, for a failed row's tail
 
     def __init__(self, env: dict, children: child.Children):
         self.env = env
         self._children = children
-        self._proc = child.start_forked(serve, env, children)
+        self._proc = (child.start_forked(serve, env, children) if child.FORKS else
+                      child.start([sys.executable, "-m", "vlmprobe.worker", "--serve"], env, children))
         self._rows: queue.Queue = queue.Queue()  # result lines as they come, then None when stdout ends
         self._stderr: collections.deque = collections.deque(maxlen=self.STDERR_LINES)  # (line number, line)
         self._stderr_count = 0

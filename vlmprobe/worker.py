@@ -184,7 +184,7 @@ def describe(backend_name: str) -> dict:
 
 
 def serve() -> None:
-    """A serving worker (vlmprobe.sweep.ServingWorker, forked from the sweep process): one point per stdin line,
+    """A serving worker (vlmprobe.sweep.ServingWorker): one point per stdin line,
     measured one after another in this process, each result printed as soon as it is known. A point that raises
     is an `error` row, as when the sweep process measures it (vlmprobe.sweep.run_point), and the next line is
     read."""
@@ -203,6 +203,9 @@ def _print_row(result: dict) -> None:
 
 
 def main() -> None:
+    if sys.argv[1:] == ["--serve"]:  # a serving worker where it cannot be forked (child.FORKS)
+        serve()
+        return
     if len(sys.argv) > 1:  # one rank of a distributed point: torchrun started it with the request's path
         from vlmprobe.distributed.launcher import run_rank
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+from vlmprobe import child
 from vlmprobe.results import OUTPUT_COLUMNS, RowWriter
 
 RANK_VALUE_COLUMNS = [c for c in OUTPUT_COLUMNS if c not in ("backend", "status", "error", "snapshot_file", "max_rank",
@@ -90,7 +91,7 @@ def simulate_rank(config: dict, rank: int, measure) -> dict:
         return error_row(exc)
 
 
-def simulate_elsewhere(config: dict, rank: int, fork: bool = sys.platform == "linux") -> dict:
+def simulate_elsewhere(config: dict, rank: int, fork: bool = child.FORKS) -> dict:
     """simulate_rank in a child process, whose DeepSpeed has not run yet. On Linux it is forked from this one,
     outside any estimate session (the session's patches and modes are on only inside measure()): torch,
     transformers and the model code are imported already, where a fresh interpreter paid ~7 s of a Qwen2-VL-7B
@@ -98,7 +99,6 @@ def simulate_elsewhere(config: dict, rank: int, fork: bool = sys.platform == "li
     child) it is a fresh `python -m vlmprobe.distributed.ranks RANK`, the point's config on stdin."""
     import json
 
-    from vlmprobe import child
     from vlmprobe.worker import TAIL, measure
 
     timeout = config["measure"]["timeout_s"]
