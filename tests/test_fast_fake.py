@@ -4,7 +4,7 @@ takes exactly the ops that cannot allocate."""
 
 import pytest
 import torch
-from torch._subclasses.fake_tensor import FakeTensorMode, _CacheKeyState
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode, _CacheKeyState
 
 from vlmprobe.estimate import fast_fake
 from vlmprobe.estimate.fast_fake import FastFakeTensorMode
@@ -225,3 +225,45 @@ def test_an_elementwise_foreach_op_is_charged_as_its_outputs():
         assert tracker.current - before == 64 * 64 * 4 + 512  # 100 floats: one 512-byte block
         torch._foreach_add_(roots, 1e-8)
         assert tracker.current - before == 64 * 64 * 4 + 512
+
+
+def fake_anatomy(t):
+    """What a fake is made of: its class, attributes, dispatch keys, the meta tensor's metadata and autograd flag."""
+    return (type(t), t.__dict__, torch._C._dispatch_keys(t), t.shape, t.stride(), t.dtype, t.device, t.requires_grad)
+
+
+@pytest.mark.parametrize("requires_grad", [False, True])
+@pytest.mark.parametrize("unsafe_data_ptr", [False, True])
+@pytest.mark.filterwarnings("ignore:Accessing the data pointer of FakeTensor")
+def test_a_fake_made_directly_is_the_fake_torchs_constructor_makes(requires_grad, unsafe_data_ptr):
+    mode = FastFakeTensorMode()
+    mode._allow_unsafe_data_ptr_access = unsafe_data_ptr
+    elem = torch.empty(3, 5, dtype=torch.bfloat16, device="meta").t().requires_grad_(requires_grad)
+    direct, torchs = mode.wrap(elem, torch.device("cpu")), FakeTensor(mode, elem, torch.device("cpu"))
+    assert fake_anatomy(direct) == fake_anatomy(torchs)
+    for fake in (direct, torchs):  # the guard on the data pointer: both raise, or both let the read through
+        try:
+            fake.data_ptr()
+            outcome = "read"
+        except RuntimeError:
+            outcome = "refused"
+        assert outcome == ("read" if unsafe_data_ptr else "refused")
+
+
+def test_an_empty_tensor_made_past_the_dispatcher_is_the_one_the_call_makes_and_is_charged_alike():
+    with FastFakeTensorMode(), LiveBytesTracker() as tracker:
+        for size, stride, dtype in [((64, 64), (64, 1), torch.float32), ((8, 5), (1, 8), torch.bfloat16),
+                                    ((1000,), (1,), torch.uint8)]:
+            before = tracker.current
+            called = torch.empty_strided(size, stride, dtype=dtype, device="cpu")
+            charged = tracker.current - before
+            direct = fast_fake.empty_strided(tracker, size, stride, dtype, torch.device("cpu"))
+            assert fake_anatomy(direct) == fake_anatomy(called)
+            assert tracker.current - before == 2 * charged  # the same block size once more
+            assert direct.untyped_storage().nbytes() == called.untyped_storage().nbytes()
+
+
+def test_an_empty_tensor_under_another_mode_stack_is_made_by_the_call():
+    with LiveBytesTracker() as tracker:  # real tensors: no fake mode below to answer
+        made = fast_fake.empty_strided(tracker, (4, 4), (4, 1), torch.float32, torch.device("cpu"))
+        assert type(made) is torch.Tensor and tracker.current == 512

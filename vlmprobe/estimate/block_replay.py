@@ -329,7 +329,7 @@ class _Ticket:
             if e < 0:
                 tracker.free_block(blocks.pop(-1 - e))
             elif k == segment.output:
-                out = segment.view.fresh(e)
+                out = segment.view.fresh(e, tracker)
             else:
                 blocks[k] = tracker.malloc_block(e)
         self.kept, self.input = blocks, (x if self.holds_input else None)
@@ -350,7 +350,7 @@ class _Ticket:
                 if fresh is None:
                     blocks[k] = tracker.malloc_block(event[1])
                     continue
-                tensor = fresh[2].fresh(event[1])
+                tensor = fresh[2].fresh(event[1], tracker)
                 if fresh[0] == "grad":
                     grads[fresh[1]] = tensor
                     self.grads.append((self.params[fresh[1]], tracker.handle_of(tensor.untyped_storage())))

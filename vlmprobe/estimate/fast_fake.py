@@ -49,6 +49,14 @@ An estimate point is tens of thousands of aten ops through FakeTensorMode (a nan
    on the asked device), without its cache key and look-up: ~0.17 ms of a ~0.2 ms creation here. Only with plain
    integer sizes, the strided layout, no pinned memory and a device that is not meta; else FakeTensorMode.
 
+6. The fakes these answers make (a view's output, an empty tensor, a foreach op's outputs) are made as torch's
+   FakeTensor constructor makes a fake of a meta tensor on the CPU, without its argument checks: the subclass
+   made over the meta tensor with the CPU's dispatch keys, the mutable-data-pointer guard, the device and mode,
+   and the value memos (constant, nonzero, item, unique, ...) all None, which is every attribute the constructor
+   sets there (read from a fake it makes at import; if one is not None, every fake is left to torch). Its
+   __init__ only records the tensor while torch.export runs, never in an estimate: left to torch while exporting.
+   ~40 us of each of a Qwen2-VL-7B ZeRO-3 step pair's ~100k fakes.
+
 One branch of dispatch is not a speed-up: inside fake_patches.host_index_tensors_real (DDP's bucket rebuild),
 integer host ops run on real tensors, an answer fake tensors cannot give (see there).
 
@@ -63,8 +71,10 @@ import dataclasses
 import inspect
 
 import torch
-from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode, TensorMetadata, in_kernel_invocation_manager
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorConfig, FakeTensorMode, TensorMetadata
+from torch._subclasses.fake_tensor import in_kernel_invocation_manager
 from torch.utils._mode_utils import no_dispatch
+from torch.utils._python_dispatch import _get_current_dispatch_mode
 from torch.utils._pytree import tree_flatten
 
 from vlmprobe.estimate.fake_patches import HOST_INDEX_TENSORS_REAL
@@ -77,7 +87,8 @@ _UNSAFE_VIEW = torch.ops.aten._unsafe_view.default
 _ITEM = torch.ops.aten._local_scalar_dense.default
 _PLAIN = {int, float, bool, str, type(None), torch.dtype, torch.device, torch.layout, torch.memory_format}
 _REAL_NUMBER = {int, float, bool}
-_EMPTY = {torch.ops.aten.empty.memory_format, torch.ops.aten.empty_strided.default}
+_EMPTY_STRIDED = torch.ops.aten.empty_strided.default
+_EMPTY = {torch.ops.aten.empty.memory_format, _EMPTY_STRIDED}
 _NOT_ANSWERED = object()
 # foreach ops that apply one elementwise op per list position (the optimizers' own: torch.optim's adam, adamw,
 # sgd, adagrad, rmsprop): an operand's i-th tensors in, one output of their layout out (module doc, 4.)
@@ -129,9 +140,26 @@ class FastFakeTensorMode(FakeTensorMode):
                 # common device, each new meta output becomes a FakeTensor there (its memo of the meta tensor is
                 # left out: nothing else holds that tensor), an output that is the input itself stays as is
                 device = source.fake_device
-                wrap = lambda t: t if type(t) is FakeTensor else FakeTensor(self, t, device)  # noqa: E731
+                wrap = lambda t: t if type(t) is FakeTensor else self.wrap(t, device)  # noqa: E731
                 return type(out)(map(wrap, out)) if isinstance(out, (list, tuple)) else wrap(out)
         return super().dispatch(func, types, args, kwargs)
+
+    def wrap(self, elem: torch.Tensor, device: torch.device) -> FakeTensor:
+        """FakeTensor(self, elem, device): the fake of meta tensor `elem` on `device`, as torch's constructor makes
+        it (6.), made directly for a CPU device."""
+        if (type(device) is not torch.device or device.type != "cpu" or _FAKE_STATE is None or FakeTensorConfig.debug
+                or torch.compiler.is_exporting()):
+            return FakeTensor(self, elem, device)
+        made = torch.Tensor._make_subclass(FakeTensor, elem, elem.requires_grad, dispatch_device=True,
+                                           device_for_backend_keys=device)
+        if self._allow_unsafe_data_ptr_access:
+            torch._C._set_warn_deprecated_on_mutable_data_ptr(made)
+        else:
+            torch._C._set_throw_on_mutable_data_ptr(made)
+        state = made.__dict__
+        state.update(_FAKE_STATE)
+        state["_fake_device"], state["fake_mode"] = device, self
+        return made
 
     def _empty(self, func, args, kwargs) -> FakeTensor | None:
         """An empty tensor as FakeTensorMode's rule for constructors makes it (module doc, 5.), or None where
@@ -143,7 +171,7 @@ class FastFakeTensorMode(FakeTensorMode):
             return None
         with in_kernel_invocation_manager(self):
             made = func(*args, **{**kwargs, "device": torch.device("meta")})
-        return FakeTensor(self, made, device if device is not None else torch.device("cpu"))
+        return self.wrap(made, device if device is not None else torch.device("cpu"))
 
     def _elementwise_foreach(self, func, args, kwargs):
         """An elementwise foreach op's outputs (None for an in-place one) where they follow from its operands
@@ -173,7 +201,7 @@ class FastFakeTensorMode(FakeTensorMode):
         if name.endswith("_"):
             return None
         with no_dispatch():
-            return [FakeTensor(self, torch.empty_strided(size, stride, dtype=dtype, device="meta"), device)
+            return [self.wrap(torch.empty_strided(size, stride, dtype=dtype, device="meta"), device)
                     for size, stride, dtype, device in outputs]
 
     def _prep_args_for_hash(self, result, args, *rest):
@@ -221,6 +249,38 @@ def only_tensor(args, kwargs):
                 isinstance(value, (list, tuple)) and any(isinstance(v, torch.Tensor) for v in value)):
             return None
     return first
+
+
+def _fake_state() -> dict | None:
+    """The attributes torch's FakeTensor constructor gives a fake of a meta tensor on the CPU, other than its
+    device and mode (the value memos, all None), or None where they are not all None in this torch: then
+    FastFakeTensorMode.wrap leaves every fake to torch's constructor."""
+    with no_dispatch():
+        made = FakeTensor(FakeTensorMode(), torch.empty(0, device="meta"), torch.device("cpu"))
+    state = {k: v for k, v in made.__dict__.items() if k not in ("_fake_device", "fake_mode")}
+    return state if all(v is None for v in state.values()) else None
+
+
+_FAKE_STATE = _fake_state()
+
+
+def empty_strided(tracker, size, stride, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """torch.empty_strided(size, stride, dtype=dtype, device=device) as an estimate session's mode stack makes it
+    (this module's fast fake mode at the bottom, `tracker` alone above it): the fake mode's answer (5.), charged
+    by the tracker as its __torch_dispatch__ charges a constructor's output, without the call's trip through the
+    dispatcher and both modes (0.23 ms a call against 0.07 ms here; a replay makes thousands: each replayed
+    step's gradients and state tensors). On any other stack, or where the fake mode would not answer the call
+    alone, the call itself."""
+    fake = torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE)
+    if (type(fake) is FastFakeTensorMode and torch._C._len_torch_dispatch_stack() == 2
+            and _get_current_dispatch_mode() is tracker and not torch._C._len_torch_function_stack()
+            and not fake.propagate_real_tensors and fake.shape_env is None
+            and not (HOST_INDEX_TENSORS_REAL.get() and not dtype.is_floating_point and not dtype.is_complex)):
+        made = fake._empty(_EMPTY_STRIDED, (size, stride), {"dtype": dtype, "device": device})
+        if made is not None:
+            tracker.charge_constructed(made)
+            return made
+    return torch.empty_strided(size, stride, dtype=dtype, device=device)
 
 
 def real_integer_op(args, kwargs) -> bool:

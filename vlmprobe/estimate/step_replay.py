@@ -46,6 +46,7 @@ import functools
 import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from vlmprobe.estimate.fast_fake import empty_strided
 from vlmprobe.estimate.tracker import AllocationLog, LiveBytesTracker
 
 
@@ -147,6 +148,11 @@ class StepReplay:
             OPTIMIZER_PLANS.record(self._key, index, run, self.tracker, self.optimizer)
 
 
+def byte_buffer(nbytes: int, device: torch.device, tracker: LiveBytesTracker) -> torch.Tensor:
+    """A new storage of `nbytes` (one uint8 tensor over it), charged by `tracker`."""
+    return empty_strided(tracker, (nbytes,), (1,), torch.uint8, device)
+
+
 class _View:
     """Where a tensor sits in its storage: rebuilt on a fresh storage of the same size."""
 
@@ -159,18 +165,18 @@ class _View:
         extent = 1 + sum((n - 1) * s for n, s in zip(self.size, self.stride)) if all(self.size) else 0
         return self.offset == 0 and extent * self.element_size == nbytes
 
-    def new(self) -> torch.Tensor:
-        return torch.empty_strided(self.size, self.stride, dtype=self.dtype, device=self.device)
+    def new(self, tracker: LiveBytesTracker) -> torch.Tensor:
+        return empty_strided(tracker, self.size, self.stride, self.dtype, self.device)
 
     def on(self, storage: torch.Tensor) -> torch.Tensor:
         return storage.view(self.dtype).as_strided(self.size, self.stride, self.offset)
 
-    def fresh(self, nbytes: int) -> torch.Tensor:
-        """This tensor alone on a new storage of `nbytes`: made directly where it fills it (one op, not three),
-        else a view of a byte buffer."""
+    def fresh(self, nbytes: int, tracker: LiveBytesTracker) -> torch.Tensor:
+        """This tensor alone on a new storage of `nbytes`, charged by `tracker`: made directly where it fills it
+        (one op, not three), else a view of a byte buffer."""
         if self.fills(nbytes):
-            return self.new()
-        return self.on(torch.empty(nbytes, dtype=torch.uint8, device=self.device))
+            return self.new(tracker)
+        return self.on(byte_buffer(nbytes, self.device, tracker))
 
     @property
     def layout(self) -> tuple:
@@ -313,10 +319,10 @@ def _play(tracker, events, blocks: dict, place) -> None:
             # a new storage, charged by the tracker at this point of the log: the one tensor on it (most
             # gradients), else views of a byte buffer
             if len(views) == 1:
-                storage = views[0][1].fresh(size)
+                storage = views[0][1].fresh(size, tracker)
                 tensors = [storage]
             else:
-                storage = torch.empty(size, dtype=torch.uint8, device=views[0][1].device)
+                storage = byte_buffer(size, views[0][1].device, tracker)
                 tensors = [view.on(storage) for _, view in views]
             for ((kind, where), _), tensor in zip(views, tensors):
                 place(kind, where, tensor)

@@ -118,6 +118,11 @@ class LiveBytesTracker(TorchDispatchMode):
                 if callback is not None:
                     callback()
 
+    def charge_constructed(self, tensor: torch.Tensor) -> None:
+        """Charge `tensor`'s storage as __torch_dispatch__ charges the output of a constructor (an op that takes no
+        tensor), for a caller that made it with the mode below this one (fast_fake.empty_strided)."""
+        self._charge(tensor.untyped_storage(), self._host is not None and self._placed_on_host((), {}))
+
     def malloc_block(self, nbytes: int) -> int:
         """A bare block of the allocator model (no storage), logged as a storage's would be; free_block frees it."""
         handle = self.allocator.malloc(nbytes)
@@ -275,6 +280,9 @@ def aliases_inputs(func) -> bool:
             and not torch._C._dispatch_has_kernel_for_dispatch_key(func.name(), "CompositeImplicitAutograd"))
 
 
+_NO_TENSOR = {int, float, bool, type(None), str, torch.dtype, torch.device, torch.layout, torch.memory_format}
+
+
 def storage_tensors(tree, found: list | None = None) -> list[torch.Tensor]:
     """The tensors in `tree` (an op's arguments or outputs: tensors, lists, tuples, dicts) that own memory: a
     wrapper subclass (DTensor: a global shape around this rank's local shard) stands for its inner tensors,
@@ -289,7 +297,8 @@ def storage_tensors(tree, found: list | None = None) -> list[torch.Tensor]:
             found.append(tree)
     elif isinstance(tree, (list, tuple)):
         for item in tree:
-            storage_tensors(item, found)
+            if type(item) not in _NO_TENSOR:  # a size's ints are most items: no call each
+                storage_tensors(item, found)
     elif isinstance(tree, dict):
         storage_tensors(list(tree.values()), found)
     return found
