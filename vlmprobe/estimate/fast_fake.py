@@ -53,7 +53,7 @@ An estimate point is tens of thousands of aten ops through FakeTensorMode (a nan
    FakeTensor constructor makes a fake of a meta tensor on the CPU, without its argument checks: the subclass
    made over the meta tensor with the CPU's dispatch keys, the mutable-data-pointer guard, the device and mode,
    and the value memos (constant, nonzero, item, unique, ...) all None, which is every attribute the constructor
-   sets there (read from a fake it makes at import; if one is not None, every fake is left to torch). Its
+   sets there (read from a fake it makes once; if one is not None, every fake is left to torch). Its
    __init__ only records the tensor while torch.export runs, never in an estimate: left to torch while exporting.
    ~40 us of each of a Qwen2-VL-7B ZeRO-3 step pair's ~100k fakes.
 
@@ -68,6 +68,7 @@ tests check the bytes.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import inspect
 
 import torch
@@ -147,7 +148,8 @@ class FastFakeTensorMode(FakeTensorMode):
     def wrap(self, elem: torch.Tensor, device: torch.device) -> FakeTensor:
         """FakeTensor(self, elem, device): the fake of meta tensor `elem` on `device`, as torch's constructor makes
         it (6.), made directly for a CPU device."""
-        if (type(device) is not torch.device or device.type != "cpu" or _FAKE_STATE is None or FakeTensorConfig.debug
+        state = _fake_state()
+        if (type(device) is not torch.device or device.type != "cpu" or state is None or FakeTensorConfig.debug
                 or torch.compiler.is_exporting()):
             return FakeTensor(self, elem, device)
         made = torch.Tensor._make_subclass(FakeTensor, elem, elem.requires_grad, dispatch_device=True,
@@ -156,9 +158,9 @@ class FastFakeTensorMode(FakeTensorMode):
             torch._C._set_warn_deprecated_on_mutable_data_ptr(made)
         else:
             torch._C._set_throw_on_mutable_data_ptr(made)
-        state = made.__dict__
-        state.update(_FAKE_STATE)
-        state["_fake_device"], state["fake_mode"] = device, self
+        attributes = made.__dict__
+        attributes.update(state)
+        attributes["_fake_device"], attributes["fake_mode"] = device, self
         return made
 
     def _empty(self, func, args, kwargs) -> FakeTensor | None:
@@ -251,6 +253,7 @@ def only_tensor(args, kwargs):
     return first
 
 
+@functools.cache
 def _fake_state() -> dict | None:
     """The attributes torch's FakeTensor constructor gives a fake of a meta tensor on the CPU, other than its
     device and mode (the value memos, all None), or None where they are not all None in this torch: then
@@ -259,9 +262,6 @@ def _fake_state() -> dict | None:
         made = FakeTensor(FakeTensorMode(), torch.empty(0, device="meta"), torch.device("cpu"))
     state = {k: v for k, v in made.__dict__.items() if k not in ("_fake_device", "fake_mode")}
     return state if all(v is None for v in state.values()) else None
-
-
-_FAKE_STATE = _fake_state()
 
 
 def empty_strided(tracker, size, stride, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
