@@ -267,3 +267,37 @@ def test_an_empty_tensor_under_another_mode_stack_is_made_by_the_call():
     with LiveBytesTracker() as tracker:  # real tensors: no fake mode below to answer
         made = fast_fake.empty_strided(tracker, (4, 4), (4, 1), torch.float32, torch.device("cpu"))
         assert type(made) is torch.Tensor and tracker.current == 512
+
+
+def collectives(mode):
+    """What a fake group's collectives return under `mode` (DeepSpeed's: all-gather into a flat buffer, broadcast,
+    reduce-scatter, all-reduce), described, and how many times FakeTensorMode's own dispatch ran a c10d op."""
+    import torch.distributed as dist
+
+    from vlmprobe.distributed.process_group import fake_group
+
+    calls = []
+    original = FakeTensorMode.dispatch
+
+    def counted(self, func, *a):
+        calls.append(func.namespace)
+        return original(self, func, *a)
+
+    FakeTensorMode.dispatch = counted
+    try:
+        with fake_group(1, 4), mode:
+            part, whole = torch.empty(6, dtype=torch.bfloat16), torch.empty(24, dtype=torch.bfloat16)
+            results = [dist.all_gather_into_tensor(whole, part, async_op=True), dist.broadcast(part, 0, async_op=True),
+                       dist.reduce_scatter_tensor(part, whole, async_op=True), dist.all_reduce(whole, async_op=True)]
+            described = [(type(work).__name__, whole.shape, whole.dtype, part.shape, type(whole), type(part))
+                         for work in results]
+    finally:
+        FakeTensorMode.dispatch = original
+    return described, calls.count("c10d")
+
+
+@pytest.mark.filterwarnings("ignore::FutureWarning")  # torch's deprecation of all_gather_into_tensor's name
+def test_a_collective_on_a_fake_group_answered_directly_equals_fake_tensor_modes_answer():
+    expected, by_torch = collectives(FakeTensorMode())
+    got, left_to_torch = collectives(FastFakeTensorMode())
+    assert got == expected and by_torch == 4 and left_to_torch == 0
