@@ -301,3 +301,36 @@ def test_a_collective_on_a_fake_group_answered_directly_equals_fake_tensor_modes
     expected, by_torch = collectives(FakeTensorMode())
     got, left_to_torch = collectives(FastFakeTensorMode())
     assert got == expected and by_torch == 4 and left_to_torch == 0
+
+
+LIKES = [  # (op, input shape, input transform, kwargs, answered here)
+    (torch.zeros_like, (64, 32), None, {"memory_format": torch.preserve_format}, True),  # AdamW's state
+    (torch.zeros_like, (7,), None, {}, True), (torch.empty_like, (3, 1, 5), None, {}, True),
+    (torch.zeros_like, (), None, {}, True), (torch.zeros_like, (0, 4), None, {}, True),
+    (torch.zeros_like, (4, 6), None, {"dtype": torch.bfloat16}, True),
+    (torch.zeros_like, (4, 6), None, {"memory_format": torch.contiguous_format}, True),
+    (torch.zeros_like, (4, 6), lambda t: t.t(), {}, False),  # not contiguous: FakeTensorMode's rule
+    (torch.zeros_like, (2, 3, 4, 5), None, {"memory_format": torch.channels_last}, False),
+]
+
+
+@pytest.mark.parametrize("like, shape, transform, kwargs, direct", LIKES,
+                         ids=[f"{c[0].__name__}{c[1]}{list(c[3])}{'-t' if c[2] else ''}" for c in LIKES])
+def test_a_like_constructor_answered_directly_equals_fake_tensor_modes_answer(like, shape, transform, kwargs, direct,
+                                                                               monkeypatch):
+    def build():
+        source = torch.empty(shape)
+        source = transform(source) if transform else source
+        return source, like(source, **kwargs)
+
+    with FakeTensorMode():
+        _, expected = build()
+    calls = []
+    original = FakeTensorMode.dispatch
+    monkeypatch.setattr(FakeTensorMode, "dispatch", lambda self, func, *a: calls.append(func) or original(self, func, *a))
+    with FastFakeTensorMode():
+        source, got = build()
+    assert metadata(got) == metadata(expected)
+    assert got.untyped_storage().nbytes() == expected.untyped_storage().nbytes()
+    assert got.untyped_storage()._cdata != source.untyped_storage()._cdata  # a storage of its own
+    assert (like.__name__ not in {f.__name__.split(".")[0] for f in calls}) == direct

@@ -64,6 +64,13 @@ An estimate point is tens of thousands of aten ops through FakeTensorMode (a nan
    input fakes themselves, and the Work is returned as is. That step is run here as is, where every tensor
    taken is a non-constant fake of this mode on one device; else FakeTensorMode.
 
+8. `zeros_like` and `empty_like` (an optimizer's first step: two state tensors a parameter) of a fake with
+   contiguous strides answered directly: FakeTensorMode runs torch's Python reference for them (`full_like` over
+   `empty_like`, ~0.5 ms here). Why the answer is the same: a tensor with contiguous strides is non-overlapping
+   and dense, so the preserve format (as the contiguous one) gives it those same strides; the output has its
+   shape on a storage of its own, in the asked dtype (else its own), on its device. Values are not tracked
+   (zeros or not, a fake holds none). Any other input, layout, device or memory format goes to FakeTensorMode.
+
 One branch of dispatch is not a speed-up: inside fake_patches.host_index_tensors_real (DDP's bucket rebuild),
 integer host ops run on real tensors, an answer fake tensors cannot give (see there).
 
@@ -97,6 +104,7 @@ _PLAIN = {int, float, bool, str, type(None), torch.dtype, torch.device, torch.la
 _REAL_NUMBER = {int, float, bool}
 _EMPTY_STRIDED = torch.ops.aten.empty_strided.default
 _EMPTY = {torch.ops.aten.empty.memory_format, _EMPTY_STRIDED}
+_LIKE = {torch.ops.aten.zeros_like.default, torch.ops.aten.empty_like.default}
 _NOT_ANSWERED = object()
 # foreach ops that apply one elementwise op per list position (the optimizers' own: torch.optim's adam, adamw,
 # sgd, adagrad, rmsprop): an operand's i-th tensors in, one output of their layout out (module doc, 4.)
@@ -139,6 +147,10 @@ class FastFakeTensorMode(FakeTensorMode):
             answered = self._elementwise_foreach(func, args, kwargs)
             if answered is not _NOT_ANSWERED:
                 return answered
+        if func in _LIKE and not self.propagate_real_tensors and self.shape_env is None:
+            made = self._like(args, kwargs)
+            if made is not None:
+                return made
         if func.namespace == "c10d" and not self.propagate_real_tensors and self.shape_env is None:
             answered = self._collective(func, args, kwargs)
             if answered is not _NOT_ANSWERED:
@@ -173,6 +185,21 @@ class FastFakeTensorMode(FakeTensorMode):
         attributes.update(state)
         attributes["_fake_device"], attributes["fake_mode"] = device, self
         return made
+
+    def _like(self, args, kwargs) -> FakeTensor | None:
+        """`zeros_like` / `empty_like` of a non-constant fake of this mode with contiguous strides (8.), or None."""
+        source = args[0] if len(args) == 1 else None
+        if (type(source) is not FakeTensor or source.fake_mode is not self or source.constant is not None
+                or source.stride() != _contiguous_strides(source.shape)
+                or kwargs.get("layout") not in (None, torch.strided) or kwargs.get("pin_memory")
+                or kwargs.get("memory_format") not in (None, torch.preserve_format, torch.contiguous_format)
+                or kwargs.get("device") not in (None, source.fake_device)
+                or not set(kwargs) <= {"dtype", "layout", "device", "pin_memory", "memory_format"}):
+            return None
+        dtype = kwargs.get("dtype") or source.dtype
+        with no_dispatch():
+            made = torch.empty_strided(source.shape, source.stride(), dtype=dtype, device="meta")
+        return self.wrap(made, source.fake_device)
 
     def _collective(self, func, args, kwargs):
         """A c10d collective's outputs (the tensors it wrote, a Work) from its meta kernel, as FakeTensorMode runs it
@@ -278,6 +305,14 @@ def only_tensor(args, kwargs):
                 isinstance(value, (list, tuple)) and any(isinstance(v, torch.Tensor) for v in value)):
             return None
     return first
+
+
+def _contiguous_strides(shape) -> tuple[int, ...]:
+    strides, step = [], 1
+    for n in reversed(shape):
+        strides.append(step)
+        step *= max(n, 1)
+    return tuple(reversed(strides))
 
 
 @functools.cache
