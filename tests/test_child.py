@@ -2,6 +2,7 @@
 
 import os
 import signal
+import sys
 import time
 
 import pytest
@@ -132,3 +133,32 @@ def test_a_started_fork_that_raises_exits_1_with_its_traceback():
 
     proc = child.start_forked(broken, {})
     assert proc.wait() == 1 and "RuntimeError: broken on purpose" in proc.stderr.read()
+
+
+CRASHING_FORK = """
+import ctypes, faulthandler, json, sys
+from vlmprobe import child
+
+def crash():
+    print("about to crash", file=sys.stderr, flush=True)
+    ctypes.string_at(0)  # a read of address 0: SIGSEGV
+
+faulthandler.enable(file=open(sys.argv[1], "w"))  # as pytest enables it for its own process
+proc = child.start_forked(crash, json.loads(sys.argv[2]))
+print(json.dumps([proc.wait(), proc.stderr.read()]))
+"""
+
+
+@pytest.mark.parametrize("asked", [False, True], ids=["no dump asked", "PYTHONFAULTHANDLER=1"])
+def test_a_crashing_fork_dumps_its_stack_as_a_fresh_interpreter_would_never_into_the_parents_file(tmp_path, asked):
+    import json
+    import subprocess
+
+    parents = tmp_path / "parents_dump"
+    env = {"PYTHONFAULTHANDLER": "1"} if asked else {}
+    out = subprocess.run([sys.executable, "-c", CRASHING_FORK, str(parents), json.dumps(env)], capture_output=True,
+                         text=True, timeout=120, check=True).stdout
+    code, stderr = json.loads(out.splitlines()[-1])
+    assert code == -signal.SIGSEGV and "about to crash" in stderr
+    assert ("Fatal Python error: Segmentation fault" in stderr) == asked
+    assert parents.read_text() == ""

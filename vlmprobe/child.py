@@ -13,6 +13,7 @@ what this process has imported, it need not import again).
 from __future__ import annotations
 
 import contextlib
+import faulthandler
 import os
 import signal
 import subprocess
@@ -147,6 +148,12 @@ def _as_child(streams: dict[int, int]) -> None:
         sys.stdin = open(0, closefd=False)
     sys.stdout = open(1, "w", closefd=False)
     sys.stderr = open(2, "w", closefd=False)
+    # a crash's dump as a fresh interpreter would write it: to this child's stderr where the environment asks for
+    # one, else none; not to the file the parent's faulthandler has (pytest's, whose output it interleaved)
+    if os.environ.get("PYTHONFAULTHANDLER"):
+        faulthandler.enable(file=sys.stderr)
+    else:
+        faulthandler.disable()
     if "torch" in sys.modules:
         # GNU OpenMP's threads do not survive a fork: a parallel region in the child would wait for the parent's
         # pool forever (seen: repeat_interleave in a ZeRO-3 rank's child, once the parent had run one). With one
@@ -197,11 +204,11 @@ def start_forked(target, env: dict, children: Children | None = None) -> Forked:
         try:
             os.setsid()
             os.close(grouped_w)  # the parent reads EOF: this child leads its own group now
+            os.environ.clear()
+            os.environ.update(env)
             _as_child({0: ends[0][0], 1: ends[1][1], 2: ends[2][1]})
             for end in (*ends[0], *ends[1], *ends[2], grouped_r):
                 os.close(end)
-            os.environ.clear()
-            os.environ.update(env)
             target()
             code = 0
         except SystemExit as exc:
