@@ -2,6 +2,8 @@
 its cache, and its cache keyed by one tuple per fake; the tracker's short cut for views (tracker.aliases_inputs)
 takes exactly the ops that cannot allocate."""
 
+import contextlib
+
 import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode, _CacheKeyState
@@ -27,7 +29,8 @@ VIEWS = [
 
 def metadata(out):
     outs = out if isinstance(out, (list, tuple)) else [out]
-    return [(type(t), t.shape, t.stride(), t.storage_offset(), t.dtype, t.device) for t in outs]
+    return [(type(t), t.shape, t.stride(), t.storage_offset(), t.dtype, t.device, t.requires_grad,
+             torch._C._dispatch_keys(t), t.is_conj(), t.is_neg()) for t in outs]
 
 
 def run(mode, func, args):
@@ -334,3 +337,164 @@ def test_a_like_constructor_answered_directly_equals_fake_tensor_modes_answer(li
     assert got.untyped_storage().nbytes() == expected.untyped_storage().nbytes()
     assert got.untyped_storage()._cdata != source.untyped_storage()._cdata  # a storage of its own
     assert (like.__name__ not in {f.__name__.split(".")[0] for f in calls}) == direct
+
+
+TO_COPIES = [  # (input shape, input transform, .to's kwargs, answered here)
+    ((64, 32), None, {"dtype": torch.float32}, True),  # DeepSpeed's fp32 copy of a bf16 gradient partition
+    ((5,), None, {"dtype": torch.float32, "non_blocking": True}, True), ((), None, {"dtype": torch.float16}, True),
+    ((0, 4), None, {"dtype": torch.float32}, True),
+    ((4, 6), lambda t: t.t(), {"dtype": torch.float32}, False),  # not contiguous: its strides are kept
+    ((2, 3, 4, 5), None, {"dtype": torch.float32, "memory_format": torch.channels_last}, False),
+]
+
+
+@pytest.mark.parametrize("shape, transform, kwargs, direct", TO_COPIES,
+                         ids=[f"{c[0]}{sorted(c[2])}{'-t' if c[1] else ''}" for c in TO_COPIES])
+def test_a_dtype_conversion_answered_directly_equals_fake_tensor_modes_answer(shape, transform, kwargs, direct,
+                                                                               monkeypatch):
+    def build():
+        source = torch.empty(shape, dtype=torch.bfloat16)
+        source = transform(source) if transform else source
+        return source, source.to(**kwargs)
+
+    with FakeTensorMode():
+        _, expected = build()
+    calls = []
+    original = FakeTensorMode.dispatch
+    monkeypatch.setattr(FakeTensorMode, "dispatch", lambda self, func, *a: calls.append(func) or original(self, func, *a))
+    with FastFakeTensorMode():
+        source, got = build()
+    assert metadata(got) == metadata(expected)
+    assert got.untyped_storage().nbytes() == expected.untyped_storage().nbytes()
+    assert got.untyped_storage()._cdata != source.untyped_storage()._cdata
+    assert (aten._to_copy.default not in calls) == direct
+
+
+COPIES = [  # (target shape, source shape, target transform, source dtype, answered here)
+    ((64, 32), (64, 32), None, torch.float32, True), ((1000,), (1000,), None, torch.bfloat16, True),  # a bucket's slice
+    ((), (), None, torch.float32, True), ((0, 4), (0, 4), None, torch.float32, True),
+    ((4, 6), (6,), None, torch.float32, False),  # broadcast: FakeTensorMode's rule checks it
+    ((4, 6), (6, 4), lambda t: t.t(), torch.float32, False),  # a transposed target
+    ((4, 6), (5,), None, torch.float32, False),  # not broadcastable: FakeTensorMode raises as torch does
+]
+
+
+@pytest.mark.parametrize("shape, source_shape, transform, dtype, direct", COPIES,
+                         ids=[f"{c[0]}<-{c[1]}{'-t' if c[2] else ''}" for c in COPIES])
+def test_a_copy_into_a_fake_answered_directly_equals_fake_tensor_modes_answer(shape, source_shape, transform, dtype,
+                                                                              direct, monkeypatch):
+    def build():
+        target = torch.empty(shape if not transform else shape[::-1])
+        target = transform(target) if transform else target
+        try:
+            return target, target.copy_(torch.empty(source_shape, dtype=dtype))
+        except RuntimeError as error:
+            return target, type(error)
+
+    with FakeTensorMode():
+        _, expected = build()
+    calls = []
+    original = FakeTensorMode.dispatch
+    monkeypatch.setattr(FakeTensorMode, "dispatch", lambda self, func, *a: calls.append(func) or original(self, func, *a))
+    with FastFakeTensorMode():
+        target, got = build()
+    if expected is RuntimeError:
+        assert got is RuntimeError
+    else:
+        assert got is target and metadata(got) == metadata(expected)
+    assert (aten.copy_.default not in calls) == direct
+
+
+
+
+CATS = [  # (input shapes, dim, with out=, answered here)
+    ([(100,), (100,), (37,)], 0, False, True), ([(100,), (100,)], 0, True, True),  # DeepSpeed's partitions
+    ([(2, 3, 4), (2, 5, 4)], 1, False, True), ([(2, 3, 4), (2, 3, 4)], -1, False, True), ([(0,), (5,)], 0, False, True),
+    ([(3, 4), (0,)], 0, False, False),  # the legacy skip of an empty 1-D input: FakeTensorMode's rule
+    ([(2, 1, 3, 3), (2, 1, 3, 3)], 1, False, False),  # 4 dimensions: a memory format may apply
+    ([(3, 4), (3, 5)], 0, False, False),  # sizes that disagree: FakeTensorMode raises as torch does
+    ([(4,), (4,)], 0, "wrong", False),  # an out= of another shape is resized by FakeTensorMode's rule
+]
+
+
+@pytest.mark.filterwarnings("ignore:An output with one or more elements was resized")  # the "wrong" out=
+@pytest.mark.parametrize("shapes, dim, out, direct", CATS, ids=[f"{c[0]}-{c[1]}-{c[2]}" for c in CATS])
+def test_a_cat_answered_directly_equals_fake_tensor_modes_answer(shapes, dim, out, direct, monkeypatch):
+    def build():
+        tensors = [torch.empty(shape) for shape in shapes]
+        total = sum(s[dim] for s in shapes)
+        target = torch.empty(total) if out is True else torch.empty(total + 1) if out == "wrong" else None
+        try:
+            made = torch.cat(tensors, dim) if target is None else torch.cat(tensors, dim, out=target)
+        except RuntimeError as error:
+            return target, type(error)
+        return target, made
+
+    with FakeTensorMode():
+        _, expected = build()
+    calls = []
+    original = FakeTensorMode.dispatch
+    monkeypatch.setattr(FakeTensorMode, "dispatch", lambda self, func, *a: calls.append(func) or original(self, func, *a))
+    with FastFakeTensorMode():
+        target, got = build()
+    if expected is RuntimeError:
+        assert got is RuntimeError
+    else:
+        assert metadata(got) == metadata(expected)
+        if target is not None:
+            assert got is target
+        else:
+            assert got.untyped_storage().nbytes() == expected.untyped_storage().nbytes()
+    assert (not {torch.ops.aten.cat.default, torch.ops.aten.cat.out} & set(calls)) == direct
+
+
+class Counting(torch.utils._python_dispatch.TorchDispatchMode):
+    """A user mode that only counts the ops it passes on."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops += 1
+        return func(*args, **(kwargs or {}))
+
+
+def tracked_step(direct: bool, between: Counting | None, monkeypatch) -> tuple:
+    """A linear layer's forward and backward under the tracker over the fast fake mode: the tracker's figures
+    after each, the gradients' types, and how many times the fake mode's __torch_dispatch__ was entered under
+    the tracker."""
+    entered = []
+    original = FastFakeTensorMode.__torch_dispatch__
+    monkeypatch.setattr(FastFakeTensorMode, "__torch_dispatch__",
+                        lambda self, *a, **k: entered.append(1) or original(self, *a, **k))
+    with FastFakeTensorMode() as fake:
+        layer = torch.nn.Linear(64, 32)
+        x = torch.empty(8, 64, requires_grad=True)
+        with between or contextlib.nullcontext(), LiveBytesTracker(None) as tracker:
+            tracker.below = fake if direct else None
+            entered.clear()  # the ops under the tracker only
+            out = layer(x).relu().sum()
+            forward = (tracker.current, tracker.peak)
+            out.backward()
+            backward = (tracker.current, tracker.peak)
+            calls = len(entered)
+        grads = [type(t.grad) for t in (layer.weight, layer.bias, x)]
+    monkeypatch.undo()
+    return forward, backward, grads, calls
+
+
+def test_the_tracker_answers_from_the_fast_fake_mode_directly_only_when_nothing_sits_between(monkeypatch):
+    """The tracker's direct call (fast_fake, 10.) skips the fake mode's __torch_dispatch__ and gives the same
+    figures and fakes as the trip through the dispatcher; with a mode between them, every op goes through it."""
+    through = tracked_step(False, None, monkeypatch)
+    direct = tracked_step(True, None, monkeypatch)
+    counting = Counting()
+    between = tracked_step(True, counting, monkeypatch)
+    # by hand: the forward keeps relu's output (8x32 floats, 1 KiB: a 1024 B block) for the backward, and the
+    # sum's scalar (512 B block); the backward leaves the three gradients (32x64, 32 and 8x64 floats)
+    assert through[0][0] >= 1024 + 512 and through[1][0] >= 8192 + 512 + 2048
+    assert direct[:3] == through[:3] == between[:3]
+    assert through[2] == [FakeTensor] * 3
+    assert through[3] > 0 and direct[3] == 0  # every op once through the dispatcher; none
+    assert between[3] > 0 and counting.ops > 0

@@ -71,6 +71,35 @@ An estimate point is tens of thousands of aten ops through FakeTensorMode (a nan
    shape on a storage of its own, in the asked dtype (else its own), on its device. Values are not tracked
    (zeros or not, a fake holds none). Any other input, layout, device or memory format goes to FakeTensorMode.
 
+9. `copy_` into, and `_to_copy` of, a fake with contiguous strides (DeepSpeed ZeRO-3 copies every gathered
+   piece into its flat buffer and converts each gradient partition to fp32: thousands a step pair on a 7B model,
+   ~0.35 ms each here). FakeTensorMode runs copy_'s meta kernel, which checks that the source broadcasts to the
+   target and returns the target, and _to_copy through its device rule and `empty_like`'s reference. Why the
+   answer is the same: a copy between tensors of one shape neither broadcasts nor allocates, and returns the
+   target itself (any dtype converts; no values are tracked); a copy of a tensor with contiguous strides is 8.'s
+   `empty_like` in the asked dtype (non_blocking changes nothing a fake holds). A broadcast, a complex source
+   into a real target (torch warns), strides other than contiguous, a constant, a foreign tensor, or arguments
+   other than these go to FakeTensorMode.
+
+10. Called by the tracker directly (LiveBytesTracker.below, answer_from_above). The tracker sits above this mode
+   on the dispatch stack; its own `func(*args)` would go back through the dispatcher, find this mode (the FAKE
+   mode key) and call FakeTensorMode.__torch_dispatch__, which only unsets the mode around self.dispatch: ~15 us
+   of each of a ZeRO-3 step pair's ~300k ops. answer_from_above does that same unset and dispatch itself, and is
+   used only while the tracker is the only user mode on the stack and this mode is the FAKE mode set beneath it,
+   so the call reaches the same code with the same arguments; with any other mode between them (a test's
+   counter, torch's own), the tracker goes through the dispatcher. So does an op this mode answers with
+   NotImplemented (an argument of a subclass it does not know, FSDP2's DTensor): the dispatcher then gives it to
+   the subclass with the tracker off the stack, as before.
+
+11. `cat` (DeepSpeed ZeRO-3 joins each gathered parameter's partitions, and the partitions of a coalesced
+   all-gather: thousands a step pair, ~0.4 ms each here; ~1 ms with `out=`). FakeTensorMode runs torch's Python
+   meta kernel for it, which works out the legacy skip of empty 1-D inputs, type promotion, the memory format and
+   the shape tensor by tensor. Why the answer is the same: tensors of one dtype, device and rank whose sizes
+   agree but along `dim` neither promote nor are skipped; with contiguous strides and at most 3 dimensions (no
+   channels-last format applies) the output is contiguous, its size along `dim` the sum of theirs, on a storage
+   of its own. With `out=` of exactly that shape, dtype and contiguous strides (no resize; no input in its
+   memory, which torch refuses) the answer is `out` itself. Anything else goes to FakeTensorMode.
+
 One branch of dispatch is not a speed-up: inside fake_patches.host_index_tensors_real (DDP's bucket rebuild),
 integer host ops run on real tensors, an answer fake tensors cannot give (see there).
 
@@ -90,7 +119,7 @@ from torch._subclasses.fake_tensor import FakeTensor, FakeTensorConfig, FakeTens
 from torch._subclasses.fake_tensor import in_kernel_invocation_manager
 from torch.utils._mode_utils import no_dispatch
 from torch.utils._python_dispatch import _get_current_dispatch_mode
-from torch.utils._pytree import tree_flatten, tree_map_only
+from torch.utils._pytree import SUPPORTED_NODES, is_namedtuple_instance, tree_flatten, tree_map_only
 
 from vlmprobe.estimate.fake_patches import HOST_INDEX_TENSORS_REAL
 from vlmprobe.estimate.tracker import aliases_inputs
@@ -105,6 +134,10 @@ _REAL_NUMBER = {int, float, bool}
 _EMPTY_STRIDED = torch.ops.aten.empty_strided.default
 _EMPTY = {torch.ops.aten.empty.memory_format, _EMPTY_STRIDED}
 _LIKE = {torch.ops.aten.zeros_like.default, torch.ops.aten.empty_like.default}
+_TO_COPY = torch.ops.aten._to_copy.default
+_COPIES = {torch.ops.aten.copy_.default, _TO_COPY}
+_CAT = torch.ops.aten.cat.default
+_CATS = {_CAT, torch.ops.aten.cat.out}
 _NOT_ANSWERED = object()
 # foreach ops that apply one elementwise op per list position (the optimizers' own: torch.optim's adam, adamw,
 # sgd, adagrad, rmsprop): an operand's i-th tensors in, one output of their layout out (module doc, 4.)
@@ -134,39 +167,22 @@ class FastFakeTensorMode(FakeTensorMode):
         if HOST_INDEX_TENSORS_REAL.get() and real_integer_op(args, kwargs):  # not a speed-up: see fake_patches
             with no_dispatch():
                 return func(*args, **kwargs)
-        if func is _ITEM and self.shape_env is None:
-            source = args[0]
-            if type(source) is FakeTensor and source.fake_mode is self and source.constant is not None:
-                with no_dispatch():
-                    return func(source.constant)
-        if func in _EMPTY and not self.propagate_real_tensors and self.shape_env is None:
-            made = self._empty(func, args, kwargs)
-            if made is not None:
-                return made
-        if func.__name__.startswith("_foreach_") and not self.propagate_real_tensors and self.shape_env is None:
-            answered = self._elementwise_foreach(func, args, kwargs)
+        answer = _ANSWERS.get(func, _UNKNOWN)
+        if answer is _UNKNOWN:  # looked up once an op: its name's checks cost more than the op's hash
+            answer = _ANSWERS[func] = _answer_for(func)
+        if answer is not None and self.shape_env is None and (answer is _item or not self.propagate_real_tensors):
+            answered = answer(self, func, args, kwargs)
             if answered is not _NOT_ANSWERED:
                 return answered
-        if func in _LIKE and not self.propagate_real_tensors and self.shape_env is None:
-            made = self._like(args, kwargs)
-            if made is not None:
-                return made
-        if func.namespace == "c10d" and not self.propagate_real_tensors and self.shape_env is None:
-            answered = self._collective(func, args, kwargs)
-            if answered is not _NOT_ANSWERED:
-                return answered
-        if (aliases_inputs(func) or func is _UNSAFE_VIEW) and not self.propagate_real_tensors and self.shape_env is None:
-            source = only_tensor(args, kwargs)
-            if type(source) is FakeTensor and source.fake_mode is self and source.constant is None:
-                with in_kernel_invocation_manager(self):
-                    out = func(*args, **kwargs)
-                # what wrap_meta_outputs_with_default_device_logic makes of it: the one input's device is the
-                # common device, each new meta output becomes a FakeTensor there (its memo of the meta tensor is
-                # left out: nothing else holds that tensor), an output that is the input itself stays as is
-                device = source.fake_device
-                wrap = lambda t: t if type(t) is FakeTensor else self.wrap(t, device)  # noqa: E731
-                return type(out)(map(wrap, out)) if isinstance(out, (list, tuple)) else wrap(out)
         return super().dispatch(func, types, args, kwargs)
+
+    def answer_from_above(self, func, types, args, kwargs):
+        """What this mode's __torch_dispatch__ answers for `func`, called by the mode right above it (10.)."""
+        torch._C._unset_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE)
+        try:
+            return self.dispatch(func, types, args, kwargs)
+        finally:
+            torch._C._set_dispatch_mode(self)
 
     def wrap(self, elem: torch.Tensor, device: torch.device) -> FakeTensor:
         """FakeTensor(self, elem, device): the fake of meta tensor `elem` on `device`, as torch's constructor makes
@@ -201,12 +217,67 @@ class FastFakeTensorMode(FakeTensorMode):
             made = torch.empty_strided(source.shape, source.stride(), dtype=dtype, device="meta")
         return self.wrap(made, source.fake_device)
 
+    def _copy(self, func, args, kwargs) -> FakeTensor | None:
+        """`copy_` into, or `_to_copy` of, a non-constant fake of this mode with contiguous strides (9.), or None."""
+        target = args[0] if args else None
+        if (type(target) is not FakeTensor or target.fake_mode is not self or target.constant is not None
+                or target.stride() != _contiguous_strides(target.shape)):
+            return None
+        if func is _TO_COPY:
+            rest = {k: v for k, v in kwargs.items() if k != "non_blocking"}
+            return self._like(args, rest) if len(args) == 1 else None
+        source = args[1] if len(args) in (2, 3) and set(kwargs) <= {"non_blocking"} else None
+        if (type(source) is not FakeTensor or source.fake_mode is not self or source.constant is not None
+                or source.shape != target.shape or (source.is_complex() and not target.is_complex())):
+            return None
+        return target
+
+    def _cat(self, func, args, kwargs) -> FakeTensor | None:
+        """`cat` of fakes of one dtype, device and rank (at most 3) with contiguous strides, equal but along
+        `dim`, or `cat.out` into such a fake of the result's shape (11.); else None."""
+        if func is _CAT:
+            if len(args) not in (1, 2) or kwargs:
+                return None
+            out = None
+        elif len(args) not in (1, 2) or set(kwargs) != {"out"}:
+            return None
+        else:
+            out = kwargs["out"]
+        tensors, dim = args[0], args[1] if len(args) == 2 else 0
+        first = tensors[0] if isinstance(tensors, (list, tuple)) and tensors else None
+        if type(first) is not FakeTensor or type(dim) is not int or not 1 <= first.dim() <= 3:
+            return None
+        rank, dtype, device = first.dim(), first.dtype, first.fake_device
+        if not -rank <= dim < rank:
+            return None
+        dim %= rank
+        shape = list(first.shape)
+        shape[dim] = 0
+        for t in tensors:
+            if (type(t) is not FakeTensor or t.fake_mode is not self or t.constant is not None or t.dtype != dtype
+                    or t.fake_device != device or t.dim() != rank
+                    or any(n != shape[i] for i, n in enumerate(t.shape) if i != dim)
+                    or t.stride() != _contiguous_strides(t.shape)):
+                return None
+            shape[dim] += t.shape[dim]
+        if out is None:
+            with no_dispatch():
+                return self.wrap(torch.empty(shape, dtype=dtype, device="meta"), device)
+        if (type(out) is not FakeTensor or out.fake_mode is not self or out.constant is not None or out.dtype != dtype
+                or out.fake_device != device or list(out.shape) != shape
+                or out.stride() != _contiguous_strides(out.shape)
+                or any(t.untyped_storage()._cdata == out.untyped_storage()._cdata for t in tensors)):
+            return None  # (an input in the output's memory: torch refuses it)
+        return out
+
     def _collective(self, func, args, kwargs):
         """A c10d collective's outputs (the tensors it wrote, a Work) from its meta kernel, as FakeTensorMode runs it
         (7.), where every tensor it takes is a non-constant fake of this mode on one device; else _NOT_ANSWERED."""
         if not _has_meta_kernel(func):
             return _NOT_ANSWERED
-        tensors = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+        tensors = _tensors_within((*args, *kwargs.values()), [])
+        if tensors is None:  # another container than a list or tuple: pytree's walk
+            tensors = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
         if not tensors or any(type(t) is not FakeTensor or t.fake_mode is not self or t.constant is not None
                               for t in tensors):
             return _NOT_ANSWERED
@@ -215,7 +286,10 @@ class FastFakeTensorMode(FakeTensorMode):
             return _NOT_ANSWERED
         with in_kernel_invocation_manager(self):
             out = func(*args, **kwargs)
-        return tree_map_only(torch.Tensor, lambda t: t if type(t) is FakeTensor else self.wrap(t, device), out)
+        wrap = lambda t: t if type(t) is FakeTensor else self.wrap(t, device)  # noqa: E731
+        if _tensors_within((out,), []) is None:
+            return tree_map_only(torch.Tensor, wrap, out)
+        return _map_tensors(out, wrap)
 
     def _empty(self, func, args, kwargs) -> FakeTensor | None:
         """An empty tensor as FakeTensorMode's rule for constructors makes it (module doc, 5.), or None where
@@ -284,6 +358,89 @@ class FastFakeTensorMode(FakeTensorMode):
                 self._prep_args_for_hash(result, arg, *rest)
             else:  # torch's rules: other tensors (which bypass the cache), symbolic values, callables, dicts
                 super()._prep_args_for_hash(result, (arg,), *rest)
+
+
+def _item(mode, func, args, kwargs):
+    """`.item()` of a constant fake: the constant's (3.)."""
+    source = args[0]
+    if type(source) is FakeTensor and source.fake_mode is mode and source.constant is not None:
+        with no_dispatch():
+            return func(source.constant)
+    return _NOT_ANSWERED
+
+
+def _view(mode, func, args, kwargs):
+    """A view of the op's one tensor, a non-constant fake of `mode`, by the op's meta kernel (1.)."""
+    source = only_tensor(args, kwargs)
+    if type(source) is not FakeTensor or source.fake_mode is not mode or source.constant is not None:
+        return _NOT_ANSWERED
+    with in_kernel_invocation_manager(mode):
+        out = func(*args, **kwargs)
+    # what wrap_meta_outputs_with_default_device_logic makes of it: the one input's device is the common
+    # device, each new meta output becomes a FakeTensor there (its memo of the meta tensor is left out: nothing
+    # else holds that tensor), an output that is the input itself stays as is
+    device = source.fake_device
+    wrap = lambda t: t if type(t) is FakeTensor else mode.wrap(t, device)  # noqa: E731
+    return type(out)(map(wrap, out)) if isinstance(out, (list, tuple)) else wrap(out)
+
+
+def _or_not_answered(method):
+    """A FastFakeTensorMode method that returns None where it does not answer, as an answer of _ANSWERS."""
+    def answer(mode, func, args, kwargs):
+        made = method(mode, func, args, kwargs)
+        return _NOT_ANSWERED if made is None else made
+
+    return answer
+
+
+def _answer_for(func):
+    """The function that may answer `func` directly (module doc), or None: FakeTensorMode's dispatch alone."""
+    if func is _ITEM:
+        return _item
+    if func in _EMPTY:
+        return _or_not_answered(FastFakeTensorMode._empty)
+    if func.__name__.startswith("_foreach_"):
+        return FastFakeTensorMode._elementwise_foreach
+    if func in _LIKE:
+        return _or_not_answered(lambda mode, func, args, kwargs: mode._like(args, kwargs))
+    if func in _COPIES:
+        return _or_not_answered(FastFakeTensorMode._copy)
+    if func in _CATS:
+        return _or_not_answered(FastFakeTensorMode._cat)
+    if func.namespace == "c10d":
+        return FastFakeTensorMode._collective
+    if aliases_inputs(func) or func is _UNSAFE_VIEW:
+        return _view
+    return None
+
+
+_UNKNOWN = object()
+_ANSWERS: dict = {}  # op -> _answer_for(op), filled as ops are met
+
+
+def _tensors_within(values, found: list) -> list | None:
+    """The tensors among `values` and in the lists and tuples they hold, in pytree's order; None where one holds
+    another of pytree's containers (a dict, a named tuple): pytree's walk is the one to take. A plain walk:
+    pytree's cost ~0.1 ms of a collective."""
+    for value in values:
+        kind = type(value)
+        if kind is list or kind is tuple:
+            if _tensors_within(value, found) is None:
+                return None
+        elif isinstance(value, torch.Tensor):
+            found.append(value)
+        elif kind in SUPPORTED_NODES or is_namedtuple_instance(value):
+            return None
+    return found
+
+
+def _map_tensors(value, fn):
+    """`value` with fn(tensor) for each tensor in it and in the lists and tuples it holds (no other container:
+    _tensors_within said so)."""
+    kind = type(value)
+    if kind is list or kind is tuple:
+        return kind(_map_tensors(v, fn) for v in value)
+    return fn(value) if isinstance(value, torch.Tensor) else value
 
 
 def _foreach_layout(t, mode) -> tuple | None:

@@ -91,11 +91,13 @@ class TrackedBackend(Backend):
                 from vlmprobe.estimate.fast_fake import FastFakeTensorMode
 
                 # allow_non_fake_inputs: module buffers made from Python constants may be real
-                stack.enter_context(FastFakeTensorMode(allow_non_fake_inputs=True))
+                fake = stack.enter_context(FastFakeTensorMode(allow_non_fake_inputs=True))
                 stack.enter_context(real_run_answers_for_fake_batches())
                 stack.enter_context(flash_attention_standin())  # flash_attention_2 without the package or a GPU
             tracker = stack.enter_context(LiveBytesTracker(capacity, answer_fake_scalar_reads=self.fake,
                                                            settings=settings, allowed_maximum=allowed_maximum))
+            if self.fake:
+                tracker.below = fake
             yield TrackerMeter(tracker, capacity)
 
     def step_replay(self, meter, engine, towers=()):

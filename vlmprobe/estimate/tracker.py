@@ -36,6 +36,7 @@ from vlmprobe.estimate.allocator import CachingAllocatorModel
 from vlmprobe.sizes import BYTE_UNITS
 
 _DEVICE = torch.ops.prim.device.default
+_FAKE = torch._C._TorchDispatchModeKey.FAKE
 _FROM_PYTHON_DATA = (torch.ops.aten.lift_fresh.default, torch.ops.aten.lift_fresh_copy.default)
 # "host" or "device": where the storages made now live, set around a call by the code that names a side; None:
 # where the op's inputs are
@@ -66,6 +67,7 @@ class LiveBytesTracker(TorchDispatchMode):
         self.host_current = self.host_peak = 0
         self.log: AllocationLog | None = None  # while set, every device allocation and free is logged in it
         self.after_free: dict[int, object] = {}  # handle -> callable(), called once that block is freed
+        self.below = None  # the fast fake mode beneath this one, where it answers calls directly (_call)
 
     def track_host(self) -> None:
         """Tell host from device memory from now on (see the module doc)."""
@@ -195,9 +197,9 @@ class LiveBytesTracker(TorchDispatchMode):
             return _fake_device(args) if isinstance(args[0], FakeTensor) else func(*args)
         kwargs = kwargs or {}
         if aliases_inputs(func):  # a view (about a quarter of a ZeRO-3 step's ops): nothing new to charge
-            return func(*args, **kwargs)
+            return self._call(func, types, args, kwargs)
         try:
-            out = func(*args, **kwargs)
+            out = self._call(func, types, args, kwargs)
         except DataDependentOutputException:
             if not (self.answer_fake_scalar_reads and func is torch.ops.aten._local_scalar_dense.default):
                 raise
@@ -223,6 +225,19 @@ class LiveBytesTracker(TorchDispatchMode):
             if id(storage) not in inputs:
                 self._charge(storage, self._host is not None and self._placed_on_host(args, kwargs))
         return out
+
+    def _call(self, func, types, args, kwargs):
+        """func(*args, **kwargs), answered by the fast fake mode beneath directly where nothing sits between
+        (fast_fake, 10.). Its NotImplemented (an argument of a subclass it does not know, as FSDP2's DTensor) goes
+        through the dispatcher, which gives the op to that subclass as it would have: with this mode off the
+        stack, so the subclass's inner ops are not charged here, only what the op returns."""
+        below = self.below
+        if below is not None and torch._C._len_torch_dispatch_stack() == 1 and \
+                torch._C._get_dispatch_mode(_FAKE) is below:
+            out = below.answer_from_above(func, types, args, kwargs)
+            if out is not NotImplemented:
+                return out
+        return func(*args, **kwargs)
 
     def _placed_on_host(self, args, kwargs) -> bool:
         placement = PLACEMENT.get()
@@ -280,6 +295,7 @@ def aliases_inputs(func) -> bool:
             and not torch._C._dispatch_has_kernel_for_dispatch_key(func.name(), "CompositeImplicitAutograd"))
 
 
+_PLAIN_TENSORS = {torch.Tensor, torch.nn.Parameter, FakeTensor}
 _NO_TENSOR = {int, float, bool, type(None), str, torch.dtype, torch.device, torch.layout, torch.memory_format}
 
 
@@ -289,7 +305,10 @@ def storage_tensors(tree, found: list | None = None) -> list[torch.Tensor]:
     whose storages are the memory; its own storage is none. A plain walk: it runs twice an op, and pytree's
     general one cost a sixth of a fake op."""
     found = [] if found is None else found
-    if isinstance(tree, torch.Tensor):
+    if type(tree) in _PLAIN_TENSORS:  # most of them: neither is a wrapper subclass
+        if tree.layout == torch.strided:
+            found.append(tree)
+    elif isinstance(tree, torch.Tensor):
         if tree.layout == torch.strided and is_traceable_wrapper_subclass(tree):
             names, _ = tree.__tensor_flatten__()
             storage_tensors([getattr(tree, name) for name in names], found)
