@@ -76,6 +76,25 @@ def test_a_forked_child_gives_back_what_it_printed_and_its_exit_code():
     assert stderr.rstrip().endswith("ValueError: the target's own error")
 
 
+
+def test_what_the_parent_does_while_waiting_runs_once_in_the_parent_while_the_child_runs(tmp_path):
+    """child.while_waiting: the sweep's report imports run on the core a forked child leaves idle; one that
+    fails costs the child nothing."""
+    ran = []
+
+    def meanwhile():
+        ran.append((os.getpid(), (tmp_path / "done").exists()))  # the child has not finished yet
+
+    def broken():
+        raise ImportError("no such plotting library")
+
+    child.while_waiting(meanwhile)
+    child.while_waiting(broken)
+    done = lambda: time.sleep(0.5) or (tmp_path / "done").write_text("")  # noqa: E731
+    assert child.run_forked(done, timeout=30)[0] == 0
+    assert child.run_forked(done, timeout=30)[0] == 0
+    assert ran == [(os.getpid(), False)]
+
 def test_a_forked_child_past_its_timeout_is_killed_with_everything_it_started(tmp_path):
     code, _, _ = forked_shell(started_grandchild(tmp_path), timeout=1)
     assert code is None

@@ -132,6 +132,10 @@ def run_points(todo: list, runner, launcher: dict, bar) -> None:
         gpus = visible_gpus() if backend == "cuda" else None
         _run_pool(poolable, runner, jobs(launcher, backend), bar, gpus)
     todo = [item for item in todo if item.point.id not in runner.done]  # skipped (and, under pool, distributed)
+    if todo:  # a point whose ranks are simulated in forked children leaves this process waiting meanwhile
+        from vlmprobe import child, report
+
+        child.while_waiting(report.pyplot)
     for item in todo:
         bar.set_postfix_str(item.point.id)
         runner.run(item)
@@ -259,6 +263,7 @@ def _run_pool(todo: list, runner, workers: int, bar, gpus: list[str] | None) -> 
     stop.set()
     for thread in threads:
         thread.join()
+    importing.join()  # the distributed points run next may fork (ranks.simulate_elsewhere): not mid-import
     for worker in serving:
         # every row is in: no worker has anything left to finish, and killing spares the sweep each one's
         # interpreter teardown

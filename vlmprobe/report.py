@@ -232,11 +232,13 @@ def reference_markdown(out_dir: Path, table: pd.DataFrame) -> str:
 
 
 def pyplot():
-    """matplotlib's pyplot on the Agg backend (files, no display). Its first import is ~0.6 s here: a pool's
-    sweep process, which only waits on its workers, makes it while they run (vlmprobe.launchers)."""
+    """matplotlib's pyplot on the Agg backend (files, no display), the backend's module imported too (pyplot
+    would at its first figure). The first call is ~1 s here: a sweep process that only waits on its workers
+    or on a forked child makes it while they run (vlmprobe.launchers)."""
     import matplotlib
 
     matplotlib.use("Agg")
+    import matplotlib.backends.backend_agg  # noqa: F401
     import matplotlib.pyplot as plt
 
     return plt
