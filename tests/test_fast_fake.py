@@ -306,6 +306,19 @@ def test_a_collective_on_a_fake_group_answered_directly_equals_fake_tensor_modes
     assert got == expected and by_torch == 4 and left_to_torch == 0
 
 
+def both_ways(build, monkeypatch):
+    """build() -> (its input, its answer) under FakeTensorMode, then under FastFakeTensorMode: (FakeTensorMode's
+    answer, the fast mode's input and answer, the ops the fast mode left to FakeTensorMode's dispatch)."""
+    with FakeTensorMode():
+        _, expected = build()
+    calls = []
+    original = FakeTensorMode.dispatch
+    monkeypatch.setattr(FakeTensorMode, "dispatch", lambda self, func, *a: calls.append(func) or original(self, func, *a))
+    with FastFakeTensorMode():
+        given, got = build()
+    monkeypatch.undo()
+    return expected, given, got, calls
+
 LIKES = [  # (op, input shape, input transform, kwargs, answered here)
     (torch.zeros_like, (64, 32), None, {"memory_format": torch.preserve_format}, True),  # AdamW's state
     (torch.zeros_like, (7,), None, {}, True), (torch.empty_like, (3, 1, 5), None, {}, True),
@@ -326,13 +339,7 @@ def test_a_like_constructor_answered_directly_equals_fake_tensor_modes_answer(li
         source = transform(source) if transform else source
         return source, like(source, **kwargs)
 
-    with FakeTensorMode():
-        _, expected = build()
-    calls = []
-    original = FakeTensorMode.dispatch
-    monkeypatch.setattr(FakeTensorMode, "dispatch", lambda self, func, *a: calls.append(func) or original(self, func, *a))
-    with FastFakeTensorMode():
-        source, got = build()
+    expected, source, got, calls = both_ways(build, monkeypatch)
     assert metadata(got) == metadata(expected)
     assert got.untyped_storage().nbytes() == expected.untyped_storage().nbytes()
     assert got.untyped_storage()._cdata != source.untyped_storage()._cdata  # a storage of its own
@@ -357,13 +364,7 @@ def test_a_dtype_conversion_answered_directly_equals_fake_tensor_modes_answer(sh
         source = transform(source) if transform else source
         return source, source.to(**kwargs)
 
-    with FakeTensorMode():
-        _, expected = build()
-    calls = []
-    original = FakeTensorMode.dispatch
-    monkeypatch.setattr(FakeTensorMode, "dispatch", lambda self, func, *a: calls.append(func) or original(self, func, *a))
-    with FastFakeTensorMode():
-        source, got = build()
+    expected, source, got, calls = both_ways(build, monkeypatch)
     assert metadata(got) == metadata(expected)
     assert got.untyped_storage().nbytes() == expected.untyped_storage().nbytes()
     assert got.untyped_storage()._cdata != source.untyped_storage()._cdata
@@ -391,20 +392,12 @@ def test_a_copy_into_a_fake_answered_directly_equals_fake_tensor_modes_answer(sh
         except RuntimeError as error:
             return target, type(error)
 
-    with FakeTensorMode():
-        _, expected = build()
-    calls = []
-    original = FakeTensorMode.dispatch
-    monkeypatch.setattr(FakeTensorMode, "dispatch", lambda self, func, *a: calls.append(func) or original(self, func, *a))
-    with FastFakeTensorMode():
-        target, got = build()
+    expected, target, got, calls = both_ways(build, monkeypatch)
     if expected is RuntimeError:
         assert got is RuntimeError
     else:
         assert got is target and metadata(got) == metadata(expected)
     assert (aten.copy_.default not in calls) == direct
-
-
 
 
 CATS = [  # (input shapes, dim, with out=, answered here)
@@ -430,13 +423,7 @@ def test_a_cat_answered_directly_equals_fake_tensor_modes_answer(shapes, dim, ou
             return target, type(error)
         return target, made
 
-    with FakeTensorMode():
-        _, expected = build()
-    calls = []
-    original = FakeTensorMode.dispatch
-    monkeypatch.setattr(FakeTensorMode, "dispatch", lambda self, func, *a: calls.append(func) or original(self, func, *a))
-    with FastFakeTensorMode():
-        target, got = build()
+    expected, target, got, calls = both_ways(build, monkeypatch)
     if expected is RuntimeError:
         assert got is RuntimeError
     else:

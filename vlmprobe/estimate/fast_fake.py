@@ -286,10 +286,7 @@ class FastFakeTensorMode(FakeTensorMode):
             return _NOT_ANSWERED
         with in_kernel_invocation_manager(self):
             out = func(*args, **kwargs)
-        wrap = lambda t: t if type(t) is FakeTensor else self.wrap(t, device)  # noqa: E731
-        if _tensors_within((out,), []) is None:
-            return tree_map_only(torch.Tensor, wrap, out)
-        return _map_tensors(out, wrap)
+        return _map_tensors(out, lambda t: t if type(t) is FakeTensor else self.wrap(t, device))
 
     def _empty(self, func, args, kwargs) -> FakeTensor | None:
         """An empty tensor as FakeTensorMode's rule for constructors makes it (module doc, 5.), or None where
@@ -435,12 +432,16 @@ def _tensors_within(values, found: list) -> list | None:
 
 
 def _map_tensors(value, fn):
-    """`value` with fn(tensor) for each tensor in it and in the lists and tuples it holds (no other container:
-    _tensors_within said so)."""
+    """`value` with fn(tensor) for each tensor in it and in the lists and tuples it holds, in one plain walk;
+    another of pytree's containers inside is mapped by pytree."""
     kind = type(value)
     if kind is list or kind is tuple:
         return kind(_map_tensors(v, fn) for v in value)
-    return fn(value) if isinstance(value, torch.Tensor) else value
+    if isinstance(value, torch.Tensor):
+        return fn(value)
+    if kind in SUPPORTED_NODES or is_namedtuple_instance(value):
+        return tree_map_only(torch.Tensor, fn, value)
+    return value
 
 
 def _foreach_layout(t, mode) -> tuple | None:
