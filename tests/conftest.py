@@ -30,14 +30,18 @@ def pytest_collection_modifyitems(config, items):
 
 
 @pytest.fixture(autouse=True)
-def no_optimizer_logs_kept():
-    """Every test starts with no optimizer step logs kept from another's points (vlmprobe.estimate.step_replay
-    keeps them across the points of a process); a test that measures a point after another says so."""
+def nothing_kept_from_other_tests():
+    """Every test starts with no optimizer step logs (vlmprobe.estimate.step_replay) and no built models
+    (vlmprobe.estimate.built_models) kept from another's points: a process keeps both across the points it
+    measures; a test that measures a point after another says so."""
+    from vlmprobe.estimate.built_models import BUILT_MODELS
     from vlmprobe.estimate.step_replay import OPTIMIZER_PLANS
 
     OPTIMIZER_PLANS.clear()
+    BUILT_MODELS.clear()
     yield
     OPTIMIZER_PLANS.clear()
+    BUILT_MODELS.clear()
 
 
 @pytest.fixture

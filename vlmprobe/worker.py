@@ -86,19 +86,8 @@ def _measure(point: dict, replay_blocks: bool) -> dict:
             engine = engines.make(point, backend.device())  # single GPU, DDP or sharded
             # offload off cuda: host buffers counted apart, from the build on (zero.Init partitions to the host)
             host_memory.enter_context(engine.host_memory())
-            model = engine.build(spec, DTYPES[train["param_dtype"]])
-            # What the build left to reference cycles is freed before training: between a model's load and
-            # its first step a real run allocates Python objects by the million, so a full collection has
-            # run. (Under zero.Init, a tied LM head's first weight, replaced by the embedding's, is held by
-            # DeepSpeed's per-parameter closures, pinned host piece and all.) The estimate and cpu sessions
-            # run with the collector off from a full collection on (vlmprobe.estimate.tracked), so everything
-            # made since is in the youngest generation: collecting that one is collecting the build's garbage,
-            # without walking the whole heap again. On cuda the collector runs as usual.
-            gc.collect(0)
-            out["build_peak_bytes"] = meter.peaks()["allocated"]  # the model's construction (and its weights' fill)
-            quantization.quantize(model, train, backend.name)  # QLoRA's base, before its adapters
-            apply_knobs(spec, model, train)
-            model.train()
+            model, out["build_peak_bytes"] = backend.load_model(
+                meter, model_key(point), lambda mark: built(spec, engine, train, backend.name, meter, mark))
             grpo = point["step"]["name"] == "grpo"
             # the GRPO step makes its own prompt and prompt + completion batches as it goes
             batch = None if grpo else spec.batch(data, backend.device())
@@ -142,6 +131,35 @@ def _measure(point: dict, replay_blocks: bool) -> dict:
         if path and (point["measure"]["snapshot"] or out["status"] == "oom"):
             out["snapshot_file"] = path if backend.write_snapshot(meter, path) else None
     return out
+
+
+def built(spec, engine, train: dict, backend_name: str, meter, mark) -> tuple[torch.nn.Module, int]:
+    """The point's model, knobs applied, in training mode, and the build's peak allocated bytes (the model's
+    construction and its weights' fill), read before `mark()`."""
+    model = engine.build(spec, DTYPES[train["param_dtype"]])
+    # What the build left to reference cycles is freed before training: between a model's load and
+    # its first step a real run allocates Python objects by the million, so a full collection has
+    # run. (Under zero.Init, a tied LM head's first weight, replaced by the embedding's, is held by
+    # DeepSpeed's per-parameter closures, pinned host piece and all.) The estimate and cpu sessions
+    # run with the collector off from a full collection on (vlmprobe.estimate.tracked), so everything
+    # made since is in the youngest generation: collecting that one is collecting the build's garbage,
+    # without walking the whole heap again. On cuda the collector runs as usual.
+    gc.collect(0)
+    build_peak = meter.peaks()["allocated"]
+    mark()  # a kept model's build is replayed to here for this peak (vlmprobe.estimate.built_models)
+    quantization.quantize(model, train, backend_name)  # QLoRA's base, before its adapters
+    apply_knobs(spec, model, train)
+    model.train()
+    return model, build_peak
+
+
+def model_key(point: dict) -> str | None:
+    """What decides the model a point builds, knobs applied: its model and train config, for a backend that keeps
+    built models for later points (vlmprobe.estimate.built_models). None where it is not kept: an engine other
+    than the single device's wraps or shards it (dist), GRPO builds a reference model beside it."""
+    if point["dist"]["name"] != "none" or point["step"]["name"] != "sft":
+        return None
+    return json.dumps([point["model"], point["train"]], sort_keys=True)
 
 
 def grpo_reference(spec, point: dict, engine):

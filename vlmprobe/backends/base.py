@@ -45,6 +45,12 @@ class Backend(abc.ABC):
         """Write an allocator snapshot (history of every allocation) to `path`; False where there is none."""
         return False
 
+    def load_model(self, meter, key: str | None, build):
+        """(model, build peak) of the point: `build(mark)`'s (it calls `mark()` where it reads the build's peak),
+        or where this backend keeps built models, a kept one of the same `key` (vlmprobe.estimate.built_models;
+        None: never kept). Here every point builds its own."""
+        return build(lambda: None)
+
     def step_replay(self, meter, engine, towers=()):
         """What replays later training steps from the first one's allocations (vlmprobe.estimate.step_replay),
         where this backend can and the engine repeats its steps alike; None: every step runs. `towers`: the

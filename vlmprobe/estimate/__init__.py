@@ -13,13 +13,17 @@ Modules:
   what its CUDA code allocates, behind transformers' own flash path
 - device_profile.py: the target GPU (conf/device/): capacity, dtypes, kernels, workspaces, context
 - fake_patches.py: where libraries read data of fake tensors, the answer a real run gets
-- fast_fake.py: FakeTensorMode made cheaper per op (views answered directly, a cheaper cache key), same answers
+- fast_fake.py: FakeTensorMode made cheaper per op (views answered directly, a cheaper cache key), same answers;
+  one such mode a process, entered by every session (session_mode)
 - step_replay.py: a plain point's steps after the first: forward and backward replayed from the first step's
   logged allocations into the allocator model, where that log accounts for every block; its optimizer steps
   replayed from an earlier point's of this process with the same parameters, gradients and optimizer settings;
   the same figures
 - block_replay.py: within a point's first step, a tower's middle blocks replayed from its first block's forward
   and its last block's backward, where the family says its blocks run one program (nanoVLM's); the same figures
+- built_models.py: a point's built model (knobs applied) kept for later points of the process with the same model
+  and train config, its build's logged allocations replayed into each one's allocator model and the model put
+  back as built; the same figures
 
 Modelling decisions (each one is what CUDA would do, applied on fake CPU tensors):
 - Fake CPU tensors under FakeTensorMode: fake CUDA tensors abort a CPU-only build, so shapes, dtypes and

@@ -479,6 +479,16 @@ def _has_meta_kernel(func) -> bool:
 
 
 @functools.cache
+def session_mode() -> FastFakeTensorMode:
+    """The fake mode every estimate session of this process enters (vlmprobe.estimate.tracked): one, so that a
+    model built in one session runs in the next (vlmprobe.estimate.built_models); a fake tensor belongs to the mode
+    that made it, and FakeTensorMode refuses another's. Its state between sessions is none that changes an answer:
+    the dispatch cache is torch's, one a process already, and the memo of real tensors made fake holds each only
+    while that real tensor lives. allow_non_fake_inputs: module buffers made from Python constants may be real."""
+    return FastFakeTensorMode(allow_non_fake_inputs=True)
+
+
+@functools.cache
 def _fake_state() -> dict | None:
     """The attributes torch's FakeTensor constructor gives a fake of a meta tensor on the CPU, other than its
     device and mode (the value memos, all None), or None where they are not all None in this torch: then

@@ -88,10 +88,9 @@ class TrackedBackend(Backend):
             stack.enter_context(cuda_autocast_policy())
             stack.enter_context(cuda_sdpa_choice(device))  # the SDPA kernels the target card has
             if self.fake:
-                from vlmprobe.estimate.fast_fake import FastFakeTensorMode
+                from vlmprobe.estimate.fast_fake import session_mode
 
-                # allow_non_fake_inputs: module buffers made from Python constants may be real
-                fake = stack.enter_context(FastFakeTensorMode(allow_non_fake_inputs=True))
+                fake = stack.enter_context(session_mode())
                 stack.enter_context(real_run_answers_for_fake_batches())
                 stack.enter_context(flash_attention_standin())  # flash_attention_2 without the package or a GPU
             tracker = stack.enter_context(LiveBytesTracker(capacity, answer_fake_scalar_reads=self.fake,
@@ -99,6 +98,14 @@ class TrackedBackend(Backend):
             if self.fake:
                 tracker.below = fake
             yield TrackerMeter(tracker, capacity)
+
+    def load_model(self, meter, key, build):
+        # fake tensors only: the cpu backend builds every point's model, so estimate == cpu checks the reuse
+        if not self.fake or key is None:
+            return super().load_model(meter, key, build)
+        from vlmprobe.estimate.built_models import BUILT_MODELS
+
+        return BUILT_MODELS.load(meter.tracker, key, build)
 
     def step_replay(self, meter, engine, towers=()):
         # fake tensors only: the cpu backend runs every step for real, so estimate == cpu checks the replay

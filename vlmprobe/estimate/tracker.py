@@ -105,10 +105,20 @@ class LiveBytesTracker(TorchDispatchMode):
         handle = self.allocator.malloc(storage.nbytes())
         if self.log is not None:
             self.log.malloc(handle, storage.nbytes())
+        self.adopt(storage, handle)
+
+    def adopt(self, storage, handle: int) -> None:
+        """Charge live `storage` with block `handle` of the allocator model, allocated for it already: freed into
+        the model when the storage dies. _charge's, and a replayed build's for the storages of a kept model
+        (vlmprobe.estimate.built_models)."""
         self._seen.add(storage)
         finalizer = weakref.finalize(storage, self._free, handle)
         finalizer.atexit = False  # nothing to free into at exit
         self._blocks[storage] = (handle, finalizer)
+
+    def charged(self) -> list[tuple[object, int]]:
+        """(storage, handle) of each live device storage this tracker charged."""
+        return [(storage, handle) for storage, (handle, _) in list(self._blocks.items())]
 
     def _free(self, handle: int) -> None:
         if self._open:
@@ -187,6 +197,10 @@ class LiveBytesTracker(TorchDispatchMode):
         # An interrupt can strike inside malloc/free and leave the model half-updated; the figures are read
         # before this point, so later deaths (garbage collection, interpreter exit) must not touch it.
         self._open = False
+        # A storage that outlives the session (a kept model's: vlmprobe.estimate.built_models) would otherwise keep
+        # this tracker and its allocator model alive through its finalizer, one of each per point measured
+        for _, finalizer in list(self._blocks.values()):
+            finalizer.detach()
         torch.UntypedStorage.resize_ = self._storage_resize
         return super().__exit__(*exc)
 
