@@ -58,7 +58,7 @@ def bookkeeping(tmp: Path, models: list[str]) -> pd.DataFrame:
             for backend in ("cpu", "estimate"):
                 table = read_table(sweep(base + [f"measure.backend={backend}"], tmp / f"{model}-{backend}") / "results.csv")
                 figures[backend] = table.set_index("point_id")["peak_allocated_bytes"]
-            for point_id, cpu in figures["cpu"].items():
+            for point_id, cpu in figures["cpu"].sort_index().items():  # results.csv: in the order points finished
                 rows.append({"model": model, "setting": setting, "point": point_id, "cpu": cpu,
                              "estimate": figures["estimate"][point_id]})
     return relative(pd.DataFrame(rows), "cpu", "estimate")
