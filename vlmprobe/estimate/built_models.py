@@ -30,21 +30,24 @@ import collections
 import torch
 from torch import nn
 
+from vlmprobe.estimate.step_replay import play, play_events, tensor_layout
 from vlmprobe.estimate.tracker import AllocationLog, LiveBytesTracker
 
 _CONTAINERS = (dict, collections.OrderedDict, set, list)  # module attributes changed in place, not replaced
 
 
 class _Built:
-    """A kept model, its build's log (events as AllocationLog holds them; `mark`: where the build read its
-    peak), the storages alive at the log's end with the index of the event that allocated each, and the model
-    as the build left it: each module's attributes, each parameter's requires_grad, and each tensor the modules
-    hold with its storage and layout."""
+    """A kept model, its build's log as step_replay plays logs (up to where the build read its peak, and after), the
+    storages alive at the log's end with the index of the event that allocated each, and the model as the build
+    left it: each module's attributes, each parameter's requires_grad, and each tensor the modules hold with its
+    storage and layout."""
 
-    def __init__(self, model: nn.Module, events: list[int], mark: int, storages: list, modules: list, params: list,
+    def __init__(self, model: nn.Module, log: AllocationLog, storages: list, modules: list, params: list,
                  tensors: list):
-        self.model, self.events, self.mark, self.storages = model, events, mark, storages
-        self.modules, self.params, self.tensors = modules, params, tensors
+        self.model, self.storages, self.modules, self.params, self.tensors = model, storages, modules, params, tensors
+        mark = log.marks[0]
+        self.build_events = play_events(log.events, range(mark), {}, {}, 0)
+        self.adapt_events = play_events(log.events, range(mark, len(log.events)), {}, {}, 0)
 
     @classmethod
     def of(cls, model: nn.Module, log: AllocationLog, tracker: LiveBytesTracker) -> _Built | None:
@@ -64,7 +67,7 @@ class _Built:
                     {key: _contents(value) for key, value in vars(module).items() if type(value) in _CONTAINERS})
                    for module in model.modules()]
         params = [(p, p.requires_grad) for p in model.parameters()]
-        return cls(model, list(log.events), log.marks[0], storages, modules, params, tensors)
+        return cls(model, log, storages, modules, params, tensors)
 
     def restore(self) -> bool:
         """Put the model back as the build left it; False where that cannot be done: its module tree changed, or a
@@ -82,7 +85,7 @@ class _Built:
                 current[key] = value
                 if key in contents and not _same(value, contents[key]):
                     _refill(value, contents[key])
-        if any(t.untyped_storage() is not storage or _layout(t) != layout for t, storage, layout in self.tensors):
+        if any(t.untyped_storage() is not storage or tensor_layout(t) != layout for t, storage, layout in self.tensors):
             return False
         for param, requires_grad in self.params:
             param.grad = None  # the last point's, made in its session (whose tracker no longer counts them)
@@ -92,19 +95,13 @@ class _Built:
     def replay(self, tracker: LiveBytesTracker) -> int:
         """Play the build into `tracker`'s allocator model and charge the model's storages there; the build's peak
         (allocated bytes at the mark). An out-of-memory is raised where the build's own allocation would raise it."""
-        allocator = tracker.allocator
         blocks: dict[int, int] = {}  # event index -> handle, while allocated
-        build_peak = None
-        for index, size in enumerate(self.events):
-            if index == self.mark:
-                build_peak = allocator.peak_allocated
-            if size >= 0:
-                blocks[index] = allocator.malloc(size)
-            else:
-                allocator.free(blocks.pop(-1 - size))
+        play(tracker, self.build_events, blocks, place=None)  # bare blocks only: nothing to place
+        build_peak = tracker.allocator.peak_allocated
+        play(tracker, self.adapt_events, blocks, place=None)
         for storage, index in self.storages:
             tracker.adopt(storage, blocks.pop(index))
-        return allocator.peak_allocated if build_peak is None else build_peak
+        return build_peak
 
 
 class BuiltModels:
@@ -148,12 +145,8 @@ def _held_tensors(model: nn.Module) -> list[tuple[torch.Tensor, object, tuple]]:
     for module in model.modules():
         for value in (*module._parameters.values(), *module._buffers.values(), *vars(module).values()):
             if isinstance(value, torch.Tensor):
-                held[id(value)] = (value, value.untyped_storage(), _layout(value))
+                held[id(value)] = (value, value.untyped_storage(), tensor_layout(value))
     return list(held.values())
-
-
-def _layout(t: torch.Tensor) -> tuple:
-    return t.dtype, tuple(t.shape), t.stride(), t.storage_offset()
 
 
 def _contents(value):

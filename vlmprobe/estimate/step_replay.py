@@ -252,17 +252,17 @@ class _Plan:
         if refused:
             return None, refused
         # a result autograd saved is held by the replay until the backward frees it; Python holds the others
-        held = functools.partial(_events, events, views=views, freed_at=freed_at, held_before=backward_start)
+        held = functools.partial(play_events, events, views=views, freed_at=freed_at, held_before=backward_start)
         return cls(tracker, results, held(range(forward_end)), held(range(backward_start, len(events)))), None
 
     def forward(self):
-        _play(self.tracker, self.forward_events, self._blocks, self._place)
+        play(self.tracker, self.forward_events, self._blocks, self._place)
         leaves = [self._rebuilt[value] if kind == "tensor" else value for kind, value in self.results.slots]
         self._rebuilt.clear()
         return tree_unflatten(leaves, self.results.spec)
 
     def backward(self) -> None:
-        _play(self.tracker, self.backward_events, self._blocks, self._place)
+        play(self.tracker, self.backward_events, self._blocks, self._place)
 
     def _place(self, kind, where, tensor) -> None:
         if kind == "grad":
@@ -286,8 +286,8 @@ def _refusal(log: AllocationLog, views: dict) -> str | None:
     return None
 
 
-def _events(events: list[int], span, views: dict, freed_at: dict, held_before: int) -> list[tuple]:
-    """The log's events in `span` as _play plays them: a free, fresh tensors (`views` of a storage), or a bare
+def play_events(events: list[int], span, views: dict, freed_at: dict, held_before: int) -> list[tuple]:
+    """The log's events in `span` as play plays them: a free, fresh tensors (`views` of a storage), or a bare
     block. A fresh storage freed at or after event `held_before` is held by the replay until then."""
     out = []
     for i in span:
@@ -301,7 +301,7 @@ def _events(events: list[int], span, views: dict, freed_at: dict, held_before: i
     return out
 
 
-def _play(tracker, events, blocks: dict, place) -> None:
+def play(tracker, events, blocks: dict, place) -> None:
     """Play `events` into the tracker's allocator model; `blocks` holds what is allocated and not yet freed (a
     bare block's handle, or a fresh storage the replay holds); `place(kind, where, tensor)` puts each fresh
     tensor where the logged step had its tensor."""
@@ -356,7 +356,7 @@ class _OptimizerPlan:
         if refused:
             return None, refused
         # the state outlives the step: held by the optimizer, never by the replay
-        return cls(_events(events, range(len(events)), views, freed_at, held_before=len(events))), None
+        return cls(play_events(events, range(len(events)), views, freed_at, held_before=len(events))), None
 
     def run(self, tracker, optimizer) -> None:
         parameters = _parameters(optimizer)
@@ -367,7 +367,7 @@ class _OptimizerPlan:
 
         # Only the state tensors on the device are made: the host's (AdamW's scalar step counters) are read by
         # no figure, and no step of this point runs for real after a replayed one (StepReplay.step)
-        _play(tracker, self.events, {}, place)
+        play(tracker, self.events, {}, place)
 
 
 def _parameters(optimizer) -> list:
@@ -401,7 +401,7 @@ class OptimizerPlans:
             settings = tuple(sorted((k, v) for k, v in group.items() if k != "params"))
             if not all(_plain(v) for _, v in settings):
                 return None
-            groups.append((settings, tuple(_layout(p) + (None if p.grad is None else _layout(p.grad),)
+            groups.append((settings, tuple(tensor_layout(p) + (None if p.grad is None else tensor_layout(p.grad),)
                                            for p in group["params"])))
         return type(optimizer).__module__, type(optimizer).__qualname__, tuple(groups)
 
@@ -431,7 +431,7 @@ class OptimizerPlans:
         self._plans.clear()
 
 
-def _layout(t: torch.Tensor) -> tuple:
+def tensor_layout(t: torch.Tensor) -> tuple:
     return tuple(t.shape), t.stride(), t.storage_offset(), t.dtype, t.device
 
 
