@@ -12,7 +12,7 @@ device allocations and frees its build made (LiveBytesTracker.log), and a later 
 - each storage the model holds is charged to the new point's tracker with the block its allocation got in that
   replay (LiveBytesTracker.adopt): it is freed into the new model when it dies, as a fresh build's would be;
 - the model is put back as the build left it, whatever the last point did to it: each module's attributes
-  (a tensor a forward cached on a module, as Qwen2-VL does its rope deltas; a replaced buffer; a hook; a
+  (a tensor a forward cached on a module; a replaced buffer; a hook; a
   forward a block replay swapped), each parameter's requires_grad, and no gradients. A module tree that changed
   (a module added or replaced) is not put back: that point builds again.
 A build is kept only if its log accounts for every block: each block alive at its end is a storage the model
