@@ -3,6 +3,7 @@ against the real engine on real ranks (gloo), per rank (see TOLERANCE); the conf
 a user's JSON with HF Trainer's "auto" values included. Skipped where DeepSpeed is not installed (an
 optional extra: pip install -e ".[deepspeed]")."""
 
+import importlib
 import json
 import math
 
@@ -85,6 +86,30 @@ def test_zero3_partitions_the_model_states_over_the_ranks(point, compose):
         partition = math.ceil(params / world)  # this rank's share of the fp32 weights, as flat partitions
         assert 4 * partition <= rank0["params_bytes"] <= 4 * partition + 4 * 2 * 64 * 100  # + alignment padding
         assert rank0["optimizer_state_bytes"] >= 2 * 4 * partition  # AdamW's two moments of the fp32 partition
+
+
+def test_a_fake_group_needs_no_compiled_shared_memory_op(point, monkeypatch):
+    # DeepSpeed's comm backend builds its CPU shared-memory all-reduce op (a C++ extension compiled on first use)
+    # as it meets the group; ZeRO never calls it, so the estimate's fake group must get by where it cannot build
+    deepspeed = pytest.importorskip("deepspeed")
+    accelerator = deepspeed.get_accelerator()
+    create = accelerator.create_op_builder
+
+    def no_shared_memory_op(name):
+        if name == "ShareMemCommBuilder":
+            raise RuntimeError("this machine cannot compile deepspeed_shm_comm")
+        return create(name)
+
+    monkeypatch.setattr(accelerator, "create_op_builder", no_shared_memory_op)
+    outputs = run_dist(point, [*TINY, "dist=zero3", *SMALL, *STAGE3, "measure.backend=estimate"])
+    assert outputs["status"] == "ok", outputs.get("error")
+    assert outputs["peak_allocated_bytes"] > 0
+    # and without a fake group DeepSpeed's own build runs, as real gloo ranks need
+    from vlmprobe.distributed.deepspeed_engine import answer_locally_on_fake_groups
+
+    answer_locally_on_fake_groups()
+    with pytest.raises(RuntimeError, match="deepspeed_shm_comm"):
+        importlib.import_module("deepspeed.comm.torch").build_shm_op()
 
 
 def test_a_users_deepspeed_json_gets_hf_trainers_auto_values_from_the_point(point, tmp_path):

@@ -7,10 +7,11 @@ the user's own JSON (dist.deepspeed_config) with the "auto" values HF Trainer fi
 point as it would (transformers integrations/deepspeed.py: batch sizes, precision, bucket sizes from the
 LM's hidden size).
 
-On fake tensors (the estimate) three things that a real step does not meet are answered where they are met,
-and nothing else of DeepSpeed is touched. On real tensors, on the fake group or in a real job, all it runs
-is DeepSpeed's own code (but for 4., where the device is the CPU). Checked against real gloo ranks (tests/test_deepspeed.py): the point's peak to the
-byte; per rank and phase within 16 KiB (real ranks themselves vary that much from run to run):
+Five things a real job does not meet are answered where they are met, and nothing else of DeepSpeed is
+touched: 1. and 2. on fake tensors (the estimate), 3. and 5. on a fake group, 4. where the device is the CPU.
+Real ranks in a real job run DeepSpeed's own code (but for 4. on the cpu backend). Checked against real gloo
+ranks (tests/test_deepspeed.py): the point's peak to the byte; per rank and phase within 16 KiB (real ranks
+themselves vary that much from run to run):
 1. `module.to(device)` in engine.py:DeepSpeedEngine._configure_distributed_model: torch swaps every fake
    parameter on `.to()`, and the swap fails. The model is on its device already, so the call is skipped.
 2. `.item()` of a fake tensor has no value: DeepSpeed reads scalars for its overflow / invalid-norm checks
@@ -22,6 +23,12 @@ byte; per rank and phase within 16 KiB (real ranks themselves vary that much fro
 4. engine.py:_do_sanity_check refuses fp16 where `get_accelerator().is_fp16_supported()` is false: the
    CPU accelerator asks oneDNN whether this CPU has fp16 kernels; the figures are for a CUDA card, which has
    them (V100s train in fp16), so while the engine is made on the CPU it answers True.
+5. deepspeed.comm's backend, made when zero.Init or initialize first meets the group (comm/torch.py:
+   TorchBackend), builds DeepSpeed's shared-memory all-reduce op (comm/torch.py:build_shm_op) wherever the
+   accelerator is the CPU: a C++ extension compiled on its first use on a machine (~20 s here, and it needs a
+   compiler). Only tensor-parallel inference calls it (inference_all_reduce), never ZeRO, and on a fake group
+   no rank shares memory with another (the op's initialize sets nothing up without LOCAL_SIZE), so while the
+   group is fake the op is not built. Real gloo ranks build it as DeepSpeed does.
 Offload to the CPU runs on every backend; on cpu and estimate, where the device is the CPU too, the buffers
 DeepSpeed makes on the host are counted apart (vlmprobe.distributed.host_memory: peak_host_bytes, outside
 every device figure). DeepSpeed's optimizer is then AdamW with `torch_adam` (no compiled CPUAdam op).
@@ -106,13 +113,20 @@ def offloads(config: dict) -> bool:
 
 
 @functools.cache
-def answer_trace_checks_locally_on_fake_groups() -> None:
-    """Change 3 of the module doc, installed once per process; it acts only while the group is fake."""
+def answer_locally_on_fake_groups() -> None:
+    """Changes 3 and 5 of the module doc, installed once per process, before DeepSpeed first meets the group;
+    they act only while the group is fake."""
+    import importlib
+
     import deepspeed.runtime.zero.utils as zero_utils
+
+    comm_torch = importlib.import_module("deepspeed.comm.torch")  # the attribute deepspeed.comm.torch is torch
 
     broadcast, compare = zero_utils.get_lst_from_rank0, zero_utils.assert_lst_len_same_as_other_ranks
     zero_utils.get_lst_from_rank0 = lambda lst: list(lst) if fake_group_active() else broadcast(lst)
     zero_utils.assert_lst_len_same_as_other_ranks = lambda lst: None if fake_group_active() else compare(lst)
+    build_shm_op = comm_torch.build_shm_op
+    comm_torch.build_shm_op = lambda: None if fake_group_active() else build_shm_op()
 
 
 class DeepSpeedEngine(Engine):
@@ -135,6 +149,7 @@ class DeepSpeedEngine(Engine):
         from vlmprobe.distributed.host_memory import placed
 
         self.config = deepspeed_config(self.point, spec.text["hidden_size"])
+        answer_locally_on_fake_groups()
         with placed("device"):
             if not self.zero_init:
                 return super().build(spec, dtype)
@@ -164,7 +179,6 @@ class DeepSpeedEngine(Engine):
     def prepare(self, spec, model, optimizer_partial) -> None:
         from torch._subclasses.fake_tensor import FakeTensor
 
-        answer_trace_checks_locally_on_fake_groups()
         params = [p for p in model.parameters() if p.requires_grad]
         client = None if "optimizer" in self.config else make_optimizer(optimizer_partial, params)[0]
         self.fake = any(isinstance(p, FakeTensor) for p in params)
