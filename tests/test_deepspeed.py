@@ -112,6 +112,25 @@ def test_a_fake_group_needs_no_compiled_shared_memory_op(point, monkeypatch):
         importlib.import_module("deepspeed.comm.torch").build_shm_op()
 
 
+@pytest.mark.parametrize("fix", [None, "train.freeze_vision=true", "dist.zero_init=false", "dist.offload_param=cpu"])
+def test_lora_beside_a_bf16_tower_fails_in_the_real_zero3_engine_unless_frozen_or_built_whole(point, monkeypatch, fix):
+    # what the plan refuses in one line (tests/test_distributed.py), shown by DeepSpeed itself: the check is
+    # lifted and the point runs; each of the line's three ways out runs the engine through
+    pytest.importorskip("deepspeed")
+    import vlmprobe.distributed.deepspeed_engine as engine
+
+    monkeypatch.setattr(engine, "check_point", lambda *args: None)
+    # Qwen2-VL: its merger is part of the vision tower, so freezing the tower leaves only the adapters training
+    lora = ["model=qwen2_vl_tiny", *TINY[1:], "dist=zero3", *SMALL, *STAGE3, "train.lora_r=8",
+            "train.param_dtype=bfloat16", "train.autocast_dtype=null", "measure.backend=estimate"]
+    outputs = run_dist(point, lora + ([fix] if fix else []))
+    if fix is None:
+        assert outputs["status"] == "error" and "AssertionError" in outputs["error"], outputs.get("error")
+        assert "in defragment" in outputs["error"]  # zero/utils.py: one dtype per flat buffer
+    else:
+        assert outputs["status"] == "ok", outputs.get("error")
+
+
 def test_a_users_deepspeed_json_gets_hf_trainers_auto_values_from_the_point(point, tmp_path):
     # as ms-swift and LLaMA-Factory ship them: "auto" wherever HF Trainer fills in a value
     user = {"bf16": {"enabled": "auto"}, "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",

@@ -261,7 +261,8 @@ def write(tmp_path, name, text):
 @pytest.mark.parametrize("case", ["world 0", "not whole nodes", "none with 2 ranks", "missing json", "not json",
                                   "stage 5", "ddp offload", "fsdp2 optimizer offload", "find", "offload param zero2",
                                   "unknown engine name", "engine name without its keys", "zero_init not a bool",
-                                  "ddp bucket 0", "ddp bucket view not a bool"])
+                                  "ddp bucket 0", "ddp bucket view not a bool", "an auto nobody fills",
+                                  "LoRA beside a bf16 tower under zero.Init"])
 def test_bad_dist_input_is_one_line_naming_the_value(plan_points, tmp_path, case):
     cases = {
         "world 0": (["dist=fsdp2", "dist.world_size=0"], "dist.world_size=0 is not allowed"),
@@ -281,6 +282,13 @@ def test_bad_dist_input_is_one_line_naming_the_value(plan_points, tmp_path, case
         "ddp bucket 0": (["dist=ddp", "dist.bucket_cap_mb=0"], "dist.bucket_cap_mb=0 is not allowed: it must be a number"),
         "ddp bucket view not a bool": (["dist=ddp", "dist.gradient_as_bucket_view=1"],
                                        "dist.gradient_as_bucket_view=1 is not allowed: use true or false"),
+        "an auto nobody fills": (["dist=zero3", f"dist.deepspeed_config={write(tmp_path, 'c.json', json.dumps({'zero_optimization': {'stage': 3, 'sub_group_size': 'auto'}}))}"],
+                                 'is not allowed: zero_optimization.sub_group_size: "auto" has no value'),
+        # the real engine's failure without this line: tests/test_deepspeed.py
+        "LoRA beside a bf16 tower under zero.Init": (
+            ["dist=zero3", "train.lora_r=8", "train.param_dtype=bfloat16", "train.autocast_dtype=null"],
+            "train.lora_r=8 is not allowed with dist=zero3 built under deepspeed.zero.Init while other weights train "
+            "in bfloat16 (projector.*, vision.*, vision.blocks.*, ...): peft keeps the adapters in float32"),
     }
     overrides, message = cases[case]
     with pytest.raises(ConfigError, match=None) as raised:

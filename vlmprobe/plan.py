@@ -115,9 +115,9 @@ def settings(group: str, values: dict) -> str:
 
 
 @functools.lru_cache(maxsize=None)
-def _describe_model(model_json: str, train_json: str, optimizer_json: str) -> tuple[dict, str | None]:
-    """Parameter counts (knobs applied) and optimizer label from the model built on the meta device; and a
-    reason to skip when the optimizer's package is not installed."""
+def _describe_model(model_json: str, train_json: str, optimizer_json: str) -> tuple[dict, str | None, dict]:
+    """Parameter counts (knobs applied) and optimizer label from the model built on the meta device; a
+    reason to skip when the optimizer's package is not installed; the trainable parameters' names by dtype."""
     import torch
     from hydra.utils import instantiate
 
@@ -154,8 +154,12 @@ def _describe_model(model_json: str, train_json: str, optimizer_json: str) -> tu
         raise refused(settings("train", lora), "peft (LoraConfig, inject_adapter_in_model)", exc) from None
     params, trainable = count_params(model)  # quantization is not applied here: `params` counts the model's weights
     described = {"params": params, "trainable_params": trainable, "optimizer": optimizer["_target_"].rsplit(".", 1)[-1]}
+    dtypes = {}
+    for name, param in model.named_parameters():
+        if param.requires_grad:
+            dtypes.setdefault(str(param.dtype).removeprefix("torch."), []).append(name)
     if skip:
-        return described, skip
+        return described, skip, dtypes
     try:
         partial = instantiate(optimizer, _convert_="all")
     except Exception as exc:  # Hydra wraps the ImportError of a missing optional package
@@ -165,14 +169,15 @@ def _describe_model(model_json: str, train_json: str, optimizer_json: str) -> tu
             cause = cause.__cause__ or cause.__context__
         missing = re.search(r"No module named '[^']+'", " ".join(chain))
         if missing:
-            return described, f"{optimizer['_target_']} cannot be imported here ({missing.group(0)}); install its package"
+            return (described, f"{optimizer['_target_']} cannot be imported here ({missing.group(0)}); install its "
+                    f"package", dtypes)
         cause = exc.__cause__ or exc
         raise refused(settings("optimizer", optimizer), f"hydra.utils.instantiate({optimizer['_target_']})", cause) from None
     try:
         _, described["optimizer"] = make_optimizer(partial, [p for p in model.parameters() if p.requires_grad])
     except Exception as exc:  # torch's own checks of the values (lr, betas, eps, unknown keywords)
         raise refused(settings("optimizer", optimizer), optimizer["_target_"], exc) from None
-    return described, None
+    return described, None, dtypes
 
 
 @functools.lru_cache(maxsize=None)
@@ -235,7 +240,12 @@ def validate_point(cfg: dict, point: Point) -> tuple[dict, str | None]:
                       exc.__cause__ or exc) from None
     dist_options.validate(cfg["dist"], measure["backend"], cfg.get("find"), _visible_gpus)
     step = validate_step(cfg, data, spec)
-    described, skip = _describe_model(*(json.dumps(cfg[k], sort_keys=True) for k in ("model", "train", "optimizer")))
+    described, skip, trainable = _describe_model(*(json.dumps(cfg[k], sort_keys=True)
+                                                   for k in ("model", "train", "optimizer")))
+    if cfg["dist"]["name"] in dist_options.DEEPSPEED_ENGINES:
+        from vlmprobe.distributed.deepspeed_engine import check_point
+
+        check_point(cfg, spec.text["hidden_size"], trainable)
     inputs = {
         "sweep": cfg["sweep"]["name"],
         "point_id": point.id,

@@ -46,6 +46,7 @@ import torch.distributed as torch_dist
 from vlmprobe.distributed.engines import Engine, storage_bytes
 from vlmprobe.distributed.options import read_deepspeed_config
 from vlmprobe.distributed.process_group import fake_group_active
+from vlmprobe.errors import ConfigError
 from vlmprobe.steps.common import make_optimizer
 
 PRECISION = {"bfloat16": "bf16", "float16": "fp16"}
@@ -104,6 +105,42 @@ def deepspeed_config(point: dict, hidden_size: int) -> dict:
         config["optimizer"] = {"type": "AdamW", "params": {"lr": 1e-5, "torch_adam": True}}
     config.setdefault("steps_per_print", 2**31 - 1)  # DeepSpeed's progress lines are not ours to print
     return config
+
+
+def builds_under_zero_init(config: dict, dist: dict) -> bool:
+    """Whether the model is built under deepspeed.zero.Init: at stage 3 (the user's JSON may name it under
+    any dist=zero*) unless dist.zero_init is false, as HF does whenever its DeepSpeed config is stage 3."""
+    return config["zero_optimization"].get("stage", 0) == 3 and dist.get("zero_init", True)
+
+
+def check_point(point: dict, hidden_size: int, trainable: dict[str, list[str]]) -> None:
+    """One line, before anything is built, for a DeepSpeed config vlmprobe cannot complete (a user's "auto"
+    with no rule to fill it) and for LoRA adapters that a real ZeRO-3 run cannot train beside other weights.
+    `trainable`: dtype name -> names of trainable parameters, from the model built on the meta device with the
+    knobs applied. peft keeps the adapters of a bf16/fp16 model in float32 (autocast_adapter_dtype); stage 3
+    flattens the trainable parameters' pieces into one device buffer of one dtype unless it offloads them
+    (stage3.py: _create_fp16_partitions_with_defragmentation; zero/utils.py:defragment asserts one dtype), and
+    initialize casts the parameters to the config's bf16/fp16 only for a model built whole (engine.py:
+    _cast_module_mixed_precision), not for one built under zero.Init, as HF builds at stage 3. So adapters
+    beside weights that train in bf16 stop a real run in initialize, on a bare AssertionError."""
+    train, dist = point["train"], point["dist"]
+    try:
+        config = deepspeed_config(point, hidden_size)
+    except ValueError as exc:  # fill_auto's
+        raise ConfigError(f"dist.deepspeed_config={dist['deepspeed_config']} is not allowed: {exc}") from None
+    offloaded = ((config["zero_optimization"].get("offload_param") or {}).get("device") or "none") != "none"
+    if not train["lora_r"] or len(trainable) < 2 or not builds_under_zero_init(config, dist) or offloaded:
+        return
+    others = sorted({".".join(name.split(".")[:-1][:2]) + ".*"  # the owning modules, two levels deep
+                     for dtype, names in trainable.items() if dtype != "float32" for name in names})
+    raise ConfigError(
+        f"train.lora_r={train['lora_r']} is not allowed with dist={dist['name']} built under deepspeed.zero.Init "
+        f"while other weights train in {train['param_dtype']} ({', '.join(others[:3])}"
+        f"{', ...' if len(others) > 3 else ''}): peft keeps the adapters in float32 and ZeRO-3 trains one dtype "
+        f"(DeepSpeed's initialize stops on an AssertionError in zero/utils.py:defragment); freeze those weights "
+        f"(train.freeze_vision=true freezes the vision tower), offload the parameters (dist.offload_param=cpu) "
+        f"or set dist.zero_init=false (DeepSpeed then casts every parameter, the adapters too, to "
+        f"{train['param_dtype']})")
 
 
 def offloads(config: dict) -> bool:
@@ -172,9 +209,7 @@ class DeepSpeedEngine(Engine):
 
     @property
     def zero_init(self) -> bool:
-        """Whether the model is built under deepspeed.zero.Init: at stage 3 (the user's JSON may name it under
-        any dist=zero*) unless dist.zero_init is false, as HF does whenever its DeepSpeed config is stage 3."""
-        return self.stage == 3 and self.dist.get("zero_init", True)
+        return builds_under_zero_init(self.config, self.dist)
 
     def prepare(self, spec, model, optimizer_partial) -> None:
         from torch._subclasses.fake_tensor import FakeTensor
