@@ -83,6 +83,11 @@ def rollout(spec, model, data, device, completion_length: int, how: str) -> torc
 
 def _last_step(model, spec, kwargs: dict, completion_length: int) -> torch.Tensor:
     from transformers import DynamicCache
+    from transformers.generation.utils import ALL_CACHE_NAMES
+
+    # generate's name for a cache it is given, its first "cache name": past_key_values up to transformers 5.23,
+    # cache from 5.24 (which warns that past_key_values goes in 6.0)
+    cache_kwarg = ALL_CACHE_NAMES[0]
 
     features = []  # the image features generate encodes before the prefill and holds until it returns
     encode = model.model.get_image_features
@@ -110,6 +115,6 @@ def _last_step(model, spec, kwargs: dict, completion_length: int) -> torch.Tenso
     rest = {k: torch.cat([v, v.new_zeros(v.shape[0], ids.shape[1] - v.shape[1])], dim=1)
             for k, v in kwargs.items() if k.endswith("token_type_ids")}  # text from here on
     with stop_after(model, 1):
-        out = model.generate(input_ids=ids, past_key_values=cache, **rest, **generation_config(spec, 1))
+        out = model.generate(input_ids=ids, **{cache_kwarg: cache}, **rest, **generation_config(spec, 1))
     features.clear()  # generate has returned: the image features it held go now
     return out
