@@ -29,6 +29,32 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+# Real gloo ranks may hold a collective's buffer a moment after the step is done with it: gloo's worker thread
+# drops its own reference to a finished collective (ProcessGroupGloo::runLoop: after execute() has woken the
+# waiting thread) and, descheduled under load, can do so after the rank's next allocation. Seen with a second
+# busy process on the 2 cores: a real FSDP2 rank's forward peak one LM block's all-gather output (37,376 B) above
+# the estimate in 3 runs of 8, equal in the others (a CI simulation failed on one such run); a real ZeRO-2 rank's
+# optimizer phase 80,384 B above in one run of a full slow suite, equal alone. So a comparison with real ranks runs
+# them up to REAL_RUNS times, until one run agrees; a run that does not must be above the estimate, never below.
+REAL_RUNS = 6
+
+
+def real_run_that_agrees(run_real, apart_from_estimate):
+    """`run_real()` -> real ranks' outputs; `apart_from_estimate(outputs)` -> {what: (estimate, real)} where the
+    two disagree. The first of up to REAL_RUNS real runs that agrees with the estimate; one that does not must
+    disagree only by being above it."""
+    above = []
+    for _ in range(REAL_RUNS):
+        real = run_real()
+        apart = apart_from_estimate(real)
+        if not apart:
+            return real
+        assert all(r is not None and e is not None and r > e for e, r in apart.values()), apart  # (estimate, real)
+        above.append(apart)
+        print(f"real run {len(above)} above the estimate: {apart}")
+    raise AssertionError(f"no real run of {REAL_RUNS} agrees with the estimate: {above}")
+
+
 @pytest.fixture(autouse=True)
 def nothing_kept_from_other_tests():
     """Every test starts with no optimizer step logs (vlmprobe.estimate.step_replay) and no built models
