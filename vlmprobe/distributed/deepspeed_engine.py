@@ -107,10 +107,15 @@ def deepspeed_config(point: dict, hidden_size: int) -> dict:
     return config
 
 
+def zero_stage(config: dict) -> int:
+    """The ZeRO stage DeepSpeed runs (the user's JSON may name another than dist=)."""
+    return config["zero_optimization"].get("stage", 0)
+
+
 def builds_under_zero_init(config: dict, dist: dict) -> bool:
     """Whether the model is built under deepspeed.zero.Init: at stage 3 (the user's JSON may name it under
     any dist=zero*) unless dist.zero_init is false, as HF does whenever its DeepSpeed config is stage 3."""
-    return config["zero_optimization"].get("stage", 0) == 3 and dist.get("zero_init", True)
+    return zero_stage(config) == 3 and dist.get("zero_init", True)
 
 
 def check_point(point: dict, hidden_size: int, trainable: dict[str, list[str]]) -> None:
@@ -128,8 +133,8 @@ def check_point(point: dict, hidden_size: int, trainable: dict[str, list[str]]) 
         config = deepspeed_config(point, hidden_size)
     except ValueError as exc:  # fill_auto's
         raise ConfigError(f"dist.deepspeed_config={dist['deepspeed_config']} is not allowed: {exc}") from None
-    offloaded = ((config["zero_optimization"].get("offload_param") or {}).get("device") or "none") != "none"
-    if not train["lora_r"] or len(trainable) < 2 or not builds_under_zero_init(config, dist) or offloaded:
+    if (not train["lora_r"] or len(trainable) < 2 or not builds_under_zero_init(config, dist)
+            or offloads(config, ("offload_param",))):
         return
     others = sorted({".".join(name.split(".")[:-1][:2]) + ".*"  # the owning modules, two levels deep
                      for dtype, names in trainable.items() if dtype != "float32" for name in names})
@@ -143,10 +148,10 @@ def check_point(point: dict, hidden_size: int, trainable: dict[str, list[str]]) 
         f"{train['param_dtype']})")
 
 
-def offloads(config: dict) -> bool:
-    """Whether a DeepSpeed config offloads the optimizer or the parameters (to the CPU or NVMe)."""
+def offloads(config: dict, what=("offload_optimizer", "offload_param")) -> bool:
+    """Whether a DeepSpeed config offloads any of `what` (the optimizer, the parameters) to the CPU or NVMe."""
     zero = config.get("zero_optimization") or {}
-    return any((zero.get(k) or {}).get("device", "none") not in ("none", None) for k in ("offload_optimizer", "offload_param"))
+    return any((zero.get(k) or {}).get("device", "none") not in ("none", None) for k in what)
 
 
 @functools.cache
@@ -238,8 +243,7 @@ class DeepSpeedEngine(Engine):
 
     @property
     def stage(self) -> int:
-        """The ZeRO stage DeepSpeed runs (the user's JSON may name another than dist=)."""
-        return self.config["zero_optimization"].get("stage", 0)
+        return zero_stage(self.config)
 
     @contextlib.contextmanager
     def generating(self):
