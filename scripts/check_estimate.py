@@ -2,10 +2,13 @@
 """Accuracy of the estimate backend, printed as tables of relative error per point.
 
 1. bookkeeping: estimate vs the cpu backend (the same program on real tensors) on tiny models; must be 0.
-2. published: the seq_len estimate vs the published CUDA figures of nanoVLM issue #103 (RTX 3090).
+2. published: the seq_len estimate for the RTX 3090 (device=rtx3090) vs the published CUDA figures of nanoVLM
+   issue #103, measured on that card.
 3. cuda: estimate vs cuda for the seq_len and qwen2_vl_image_size sweeps. With a GPU visible both are run
    here; otherwise `--cuda-dir DIR` (repeatable) compares committed cuda results dirs with a fresh estimate
-   of the same config; without either this part says it is unverified.
+   of the same config; without either this part says it is unverified. A cuda run that named no card
+   (device=none) is estimated for the card it ran on (env.json's device_name), where a profile is that card's:
+   its kernels and cuBLAS workspaces are what the measurement holds.
 
     python scripts/check_estimate.py [--cuda-dir results/seq_len/<stamp>] [--parts bookkeeping,published,cuda]
 """
@@ -21,6 +24,7 @@ from pathlib import Path
 
 import pandas as pd
 
+from vlmprobe.estimate import device_profile
 from vlmprobe.results import MiB, read_table
 
 TINY_SETTINGS = {
@@ -42,8 +46,8 @@ def sweep(args: list[str], out: Path) -> Path:
     return max(out.glob("*/*/"), key=lambda p: p.stat().st_mtime)
 
 
-def relative(table: pd.DataFrame, reference: str, estimate: str) -> pd.DataFrame:
-    table["rel_error_%"] = ((table[estimate] - table[reference]) / table[reference] * 100).round(2)
+def relative(table: pd.DataFrame, reference: str, estimate: str, error: str = "rel_error_%") -> pd.DataFrame:
+    table[error] = ((table[estimate] - table[reference]) / table[reference] * 100).round(2) + 0.0  # no "-0"
     for column in (reference, estimate):
         table[column] = (table[column] / MiB).round(1)
     return table.rename(columns={reference: f"{reference} MiB", estimate: f"{estimate} MiB"})
@@ -64,22 +68,38 @@ def bookkeeping(tmp: Path, models: list[str]) -> pd.DataFrame:
     return relative(pd.DataFrame(rows), "cpu", "estimate")
 
 
+def estimate_overrides(env: dict) -> list[str]:
+    """The command of a cuda results dir (its env.json) as an estimate: the same overrides, and where it named no
+    card, the profile of the card it ran on (none where no profile is that card's)."""
+    overrides = [o for o in env["overrides"] if o.split("=")[0] not in ("measure.backend", "results_dir", "resume")]
+    named = [o for o in overrides if o.split("=")[0] in ("device", "+device")]
+    if not named or named[-1].split("=", 1)[1] == "none":
+        card = device_profile.key_of_card(env["device_name"])
+        if card is not None:
+            overrides = [o for o in overrides if o not in named] + [f"device={card}"]
+    return overrides + ["measure.backend=estimate"]
+
+
 def against(reference_dir: Path, tmp: Path) -> pd.DataFrame:
-    """Estimate the command of a cuda results dir (its env.json's overrides) and compare point by point."""
-    ran = json.loads((reference_dir / "env.json").read_text())["overrides"]
-    overrides = [o for o in ran if o.split("=")[0] not in ("measure.backend", "results_dir", "resume")]
-    estimate = read_table(sweep(overrides + ["measure.backend=estimate"], tmp / reference_dir.name) / "results.csv")
+    """Estimate the command of a cuda results dir (estimate_overrides) and compare point by point."""
+    overrides = estimate_overrides(json.loads((reference_dir / "env.json").read_text()))
+    print(f"estimated with: {' '.join(overrides)}\n")
+    estimate = read_table(sweep(overrides, tmp / reference_dir.name) / "results.csv")
     cuda = read_table(reference_dir / "results.csv")
-    merged = cuda[["point_id", "status", "peak_allocated_bytes"]].merge(
-        estimate[["point_id", "status", "peak_allocated_bytes"]], on="point_id", suffixes=("_cuda", "_estimate"))
-    merged = merged.rename(columns={"peak_allocated_bytes_cuda": "cuda", "peak_allocated_bytes_estimate": "estimate"})
-    return relative(merged, "cuda", "estimate")
+    columns = ["point_id", "status", "peak_allocated_bytes", "peak_reserved_bytes"]
+    merged = cuda[columns].merge(estimate[columns], on="point_id", suffixes=("_cuda", "_estimate"))
+    merged = merged.rename(columns={
+        "peak_allocated_bytes_cuda": "cuda", "peak_allocated_bytes_estimate": "estimate",
+        "peak_reserved_bytes_cuda": "cuda reserved", "peak_reserved_bytes_estimate": "estimate reserved"})
+    merged = relative(merged, "cuda", "estimate")
+    return relative(merged, "cuda reserved", "estimate reserved", "reserved rel_error_%")
 
 
 def published(tmp: Path) -> pd.DataFrame:
     from vlmprobe import reference
 
-    estimate = read_table(sweep(["+sweep=seq_len", "measure.backend=estimate"], tmp / "published") / "results.csv")
+    estimate = read_table(sweep(["+sweep=seq_len", f"device={reference.CARD.key}", "measure.backend=estimate"],
+                                tmp / "published") / "results.csv")
     side = reference.side_by_side(estimate)
     side = side[side["ratio"].notna()]
     table = pd.DataFrame({"batch_size": side["batch_size"], "lm_max_length": side["lm_max_length"],
@@ -117,7 +137,8 @@ def main() -> None:
             for directory in dirs:
                 print(f"## estimate vs cuda: {directory}\n")
                 print(against(directory, tmp).to_markdown(index=False), "\n")
-    print("MiB = 1024^2 bytes; rel_error_% = (estimate - reference) / reference.")
+    print("MiB = 1024^2 bytes; rel_error_% = (estimate - reference) / reference; cuda / estimate: peak allocated "
+          "(max_memory_allocated), reserved: peak reserved (max_memory_reserved).")
 
 
 if __name__ == "__main__":

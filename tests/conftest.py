@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import subprocess
 import sys
@@ -18,6 +19,14 @@ from vlmprobe.plan import plan
 REPO = Path(__file__).resolve().parent.parent
 CONF = REPO / "conf"
 TESTS = Path(__file__).resolve().parent
+
+
+def load_script(name: str):
+    """scripts/NAME.py as a module: its imports and definitions run, its main does not."""
+    spec = importlib.util.spec_from_file_location(f"script_{name}", REPO / "scripts" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def pytest_collection_modifyitems(config, items):

@@ -2,23 +2,19 @@
 `_snapshot`'s docstring; torch/csrc/cuda/Module.cpp): a recorded run the model reproduces event by event, one it
 does not, and files that are not snapshots."""
 
-import importlib.util
 import pickle
 from pathlib import Path
 
 import pytest
 
-from conftest import REPO
+from conftest import load_script
 
 MiB = 1 << 20
 A, B, C, D = 0x7F0000000000, 0x7F0002000000, 0x7F0004000000, 0x7F0008000000  # cudaMalloc'd addresses
 
 
 def _script():
-    spec = importlib.util.spec_from_file_location("check_allocator", REPO / "scripts" / "check_allocator.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("check_allocator")
 
 
 def _event(action, addr, size):

@@ -3,20 +3,11 @@ scripts/check_per_sample.py counts by hand from the model's dimensions (nanoVLM'
 it: fp32 weights, bf16 autocast, the logits held), to the byte, at two lengths (the LM terms grow with the
 length, the ViT terms do not)."""
 
-import importlib.util
-
-from conftest import REPO
-
-
-def load_script():
-    spec = importlib.util.spec_from_file_location("check_per_sample", REPO / "scripts" / "check_per_sample.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+from conftest import load_script
 
 
 def test_estimate_per_sample_bytes_are_the_hand_count():
-    script = load_script()
+    script = load_script("check_per_sample")
     peaks = script.estimate_peaks([128, 512], ("model=nanovlm_tiny",))
     model = next(iter(peaks.values()))["model"]
     assert model["name"] == "nanovlm_tiny"

@@ -2,12 +2,11 @@
 so a renamed import (CONF moved from vlmprobe.__main__ once) would otherwise surface only on the GPU day.
 Each is loaded as a module (its imports run, its main does not); the shell scripts are parsed by bash -n."""
 
-import importlib.util
 import subprocess
 
 import pytest
 
-from conftest import REPO
+from conftest import REPO, load_script
 
 PYTHON_SCRIPTS = sorted((REPO / "scripts").glob("*.py"))
 SHELL_SCRIPTS = sorted((REPO / "scripts").glob("*.sh"))
@@ -15,9 +14,7 @@ SHELL_SCRIPTS = sorted((REPO / "scripts").glob("*.sh"))
 
 @pytest.mark.parametrize("path", PYTHON_SCRIPTS, ids=lambda p: p.name)
 def test_every_python_script_imports_and_has_a_main(path):
-    spec = importlib.util.spec_from_file_location(f"script_{path.stem}", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = load_script(path.stem)
     assert callable(module.main) and module.__doc__
 
 

@@ -88,3 +88,51 @@ def test_a_tensor_held_by_a_reference_cycle_lives_to_the_end_of_the_session_what
         del cycle
         garbage = [[i] for i in range(100_000)]
         assert meter.current() == held == 2**20 and len(garbage) == 100_000
+
+
+HOPPER_WORKSPACE = 32 * 2**20  # a segment of its own: it moves no other block, so the figures differ by it exactly
+
+
+def test_each_thread_makes_one_cublas_workspace_at_its_first_matrix_multiply_and_keeps_it():
+    """The forward's first multiply makes one workspace; the backward's first op (the loss's, elementwise) runs
+    before the second, which its first multiply makes; later steps make none. Hand count: the same program run
+    with and without workspaces differs by 0, 1, then 2 of them at those moments."""
+    linear = torch.nn.Linear(64, 64)  # before the tracker: not counted
+    x = torch.randn(8, 64)
+
+    def program(t: LiveBytesTracker) -> list[int]:
+        linear.zero_grad(set_to_none=True)  # gradients made by this run's tracker
+        seen = [t.current]
+        y = x.exp()  # elementwise, no cuBLAS
+        seen.append(t.current)
+        out = linear(y)  # addmm: the forward thread's first multiply
+        seen.append(t.current)
+        out.register_hook(lambda grad: seen.append(t.current))  # the backward before any multiply of its own
+        out.square().sum().backward()  # mm for the weight's gradient: the backward thread's first
+        seen.append(t.current)
+        linear.zero_grad(set_to_none=True)
+        linear(y).sum().backward()  # a second step: no new workspace
+        seen.append(t.current)
+        return seen
+
+    with LiveBytesTracker() as bare:
+        without = program(bare)
+    with LiveBytesTracker(blas_workspaces=(HOPPER_WORKSPACE,)) as charged:
+        with_workspaces = program(charged)
+    extra = [(w - b) // HOPPER_WORKSPACE for w, b in zip(with_workspaces, without)]
+    assert [(w - b) % HOPPER_WORKSPACE for w, b in zip(with_workspaces, without)] == [0] * 6
+    assert extra == [0, 0, 1, 1, 2, 2]
+
+
+def test_a_matrix_multiply_on_the_host_makes_no_workspace():
+    from vlmprobe.distributed.host_memory import placed
+
+    with LiveBytesTracker(blas_workspaces=(HOPPER_WORKSPACE,)) as t:
+        t.track_host()
+        with placed("host"):
+            a = torch.randn(16, 16)
+            product = a @ a  # offloaded work (the CPU optimizer's): no cuBLAS
+        assert t.current == 0 and t.on_host(product)
+        with placed("device"):
+            product = a @ a
+        assert t.current == 1024 + HOPPER_WORKSPACE

@@ -137,7 +137,7 @@ def on_the_card(table: pd.DataFrame) -> list[str]:
         "left GiB": (capacity - rows["predicted_device_bytes"].astype("Float64")).map(gib)})
     return ["## On the card (predicted_device_bytes)", "",
             "What the card would show in use at the peak (nvidia-smi's figure for the process): the allocator "
-            "model's peak reserved bytes + two cuBLAS workspaces + the profile's CUDA context "
+            "model's peak reserved bytes (the card's two cuBLAS workspaces among its blocks) + the profile's CUDA context "
             "(vlmprobe/estimate/device_profile.py). Capacity: the memory the point ran against (the card's total memory "
             "as CUDA reports it, or measure.device_memory); a negative `left` does not fit.", "",
             shown.to_markdown(index=False, disable_numparse=True), ""]

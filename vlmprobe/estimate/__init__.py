@@ -42,6 +42,9 @@ Modelling decisions (each one is what CUDA would do, applied on fake CPU tensors
   flash_attention_2 runs transformers' flash path with flash-attn 2's tensors (vlmprobe.estimate.flash_attn_standin).
 - Masks: the models pass no attention mask for unpadded batches, so transformers materialises none (it
   would for fake tensors, taking them for tracing).
+- cuBLAS workspaces: with a target card (device=), each thread's first matrix multiply (the forward's, the
+  backward's) allocates the card's workspace from the allocator model, kept to the end, as torch does on CUDA
+  (vlmprobe.estimate.tracker.LiveBytesTracker); without a card, none (its size depends on the architecture).
 - Garbage collection: Python's cyclic collector is off during a point (vlmprobe.estimate.tracked), so a tensor
   held only by a reference cycle lives to the point's end: the step in which no collection falls, the higher
   case (the cpu backend likewise); with it on, the figures moved with how many Python objects happened to be
@@ -49,15 +52,15 @@ Modelling decisions (each one is what CUDA would do, applied on fake CPU tensors
   (vlmprobe.worker.measure): a real run makes enough objects between load and first step for a collection
   to have run (a tied LM head's first weight under zero.Init is the case met).
 
-Not modelled (the error budget against a CUDA measurement): the CUDA context and NVML-only memory, cuBLAS /
-cuBLASLt workspaces (CUDA counts them in memory_allocated: 2 x 8,519,680 B on sm86; the estimate adds them to
-predicted_device_bytes only), what the allocator model leaves out (several streams, private pools,
+Not modelled (the error budget against a CUDA measurement): the CUDA context and NVML-only memory, the cuBLAS
+workspaces of a point with no target card, what the allocator model leaves out (several streams, private pools,
 cudaMallocAsync: see vlmprobe.estimate.allocator; its block rounding is exact for the estimate's own allocation
 sequence, not for CUDA's), and kernel-internal workspaces that differ between CUDA and CPU kernels (attention
 backward, reductions, embedding backward). Per sample, the estimate charges exactly the saved-tensor families
 that scripts/check_per_sample.py counts by hand (tests/test_per_sample.py, to the byte); on nanoVLM issue #103
 CUDA held ~10 MiB (length 128) and ~37 MiB (512) a sample beyond them, which no saved tensor in PyTorch's CUDA
-kernels we read accounts for (README, "The missing bytes per sample"). With a target card (device=), its
-profile adds the cuBLAS workspaces and the CUDA context to the allocator model's peak reserved as
-predicted_device_bytes (vlmprobe.estimate.device_profile), and its capacity, dtypes and SDPA kernels apply.
+kernels we read accounts for, and which an H100 run of the same step does not hold either (README, "The missing
+bytes per sample"). With a target card (device=), its profile adds the CUDA context to the allocator model's peak
+reserved as predicted_device_bytes (vlmprobe.estimate.device_profile), and its capacity, dtypes, SDPA kernels and
+cuBLAS workspaces apply.
 """

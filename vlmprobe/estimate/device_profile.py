@@ -12,8 +12,12 @@ What a profile does to a point:
   is a contradiction and is refused.
 - dtypes: bfloat16 on a card without it (below sm80) is refused before any point runs.
 - SDPA: vlmprobe.estimate.sdpa_choice runs flash and memory-efficient attention only where the card has them.
-- predicted_device_bytes (estimate, cpu): the allocator model's peak reserved + the CUDA context + the
-  cuBLAS workspaces, where the profile knows the context (empty otherwise).
+- cuBLAS workspaces (estimate, cpu): allocated from the allocator model where CUDA allocates them, at the first
+  matrix multiply of each thread (vlmprobe.estimate.tracker.LiveBytesTracker.blas_workspaces), so they count in
+  every allocated and reserved figure as they do on CUDA. Without a profile the architecture, and so their size,
+  is unknown: none is charged.
+- predicted_device_bytes (estimate, cpu): the allocator model's peak reserved (workspaces included) + the CUDA
+  context, where the profile knows the context (empty otherwise).
 - cuda: the row's notes say so when the card the worker ran on is not the profile's.
 Pure: no CUDA. vlmprobe.backends.cuda reads the real card and calls name_note.
 """
@@ -27,12 +31,6 @@ from vlmprobe.sizes import parse_bytes
 
 GiB = 2**30
 SDPA_BACKENDS = ("flash", "efficient", "cudnn", "math")
-# cuBLAS workspaces a training step makes. torch keeps one workspace per (cuBLAS handle, stream)
-# (CublasHandlePool.cpp, cublas_handle_stream_to_workspace), and handles are reserved per thread
-# (DeviceThreadHandlePool). The forward runs on the calling thread; autograd runs the backward of CUDA
-# tensors on its own device thread, which reserves a second handle: two workspaces, both on the default
-# stream. (A reading of the sources, not measured here.)
-WORKSPACES_PER_STEP = 2
 
 
 @dataclass(frozen=True)
@@ -131,6 +129,18 @@ def load(key: str) -> DeviceProfile:
     return from_config(OmegaConf.to_container(OmegaConf.load(CONF / "device" / f"{key}.yaml"), resolve=True))
 
 
+def key_of_card(name: str) -> str | None:
+    """The profile (conf/device/<key>.yaml) of the card torch names `name`, or None where no profile is that card's:
+    what a CUDA run that named no profile ran on, for an estimate of the same card."""
+    from vlmprobe.overrides import CONF
+
+    for path in sorted((CONF / "device").glob("*.yaml")):
+        profile = load(path.stem)
+        if profile is not None and names_match(name, profile.name):
+            return profile.key
+    return None
+
+
 def check(device_memory: int | None, train: dict, dist: dict, attention: str, profile: DeviceProfile | None) -> None:
     """What a point asks of its target card, refused in one line before any heavy work: a capacity above the
     card's, flash_attention_2 or bfloat16 on a card without them. `device_memory`: measure.device_memory in
@@ -181,20 +191,19 @@ def name_note(real: str, profile: DeviceProfile | None) -> str | None:
             f"(its kernels, workspaces and context), with the profile's capacity imposed where the card is larger")
 
 
-def workspace_bytes(profile: DeviceProfile) -> int:
-    """Bytes of the cuBLAS (and cuBLASLt) workspaces a training step allocates through the caching allocator."""
-    return WORKSPACES_PER_STEP * (profile.cublas_workspace_bytes + profile.cublaslt_workspace_bytes)
+def workspace_blocks(profile: DeviceProfile | None) -> tuple[int, ...]:
+    """The caching-allocator blocks (bytes) a thread's first matrix multiply on this card makes: its cuBLAS
+    workspace, and a cuBLASLt one where the profile says Lt keeps its own. None without a profile."""
+    if profile is None:
+        return ()
+    return (profile.cublas_workspace_bytes,) + ((profile.cublaslt_workspace_bytes,)
+                                                 if profile.cublaslt_workspace_bytes else ())
 
 
 def predicted_device_bytes(peak_reserved: int | None, profile: DeviceProfile | None) -> int | None:
     """What the card would show in use at the peak (nvidia-smi's figure for the process): the allocator model's
-    peak reserved bytes, the cuBLAS workspaces (allocated through the caching allocator on CUDA, not by the
-    estimate's fake step) and the CUDA context (outside the allocator). None without a profile or where the
-    profile does not know the context.
-
-    The workspaces are added whole: on Hopper each (32 MiB) is a segment of its own, exactly; elsewhere each
-    (8.125 MiB) takes part of a 20 MiB segment that other small blocks may share, so the true addition lies
-    between 0 and 20 MiB a workspace."""
+    peak reserved bytes (the cuBLAS workspaces are blocks of it) and the CUDA context (outside the allocator).
+    None without a profile or where the profile does not know the context."""
     if profile is None or profile.cuda_context_bytes is None or peak_reserved is None:
         return None
-    return peak_reserved + workspace_bytes(profile) + profile.cuda_context_bytes
+    return peak_reserved + profile.cuda_context_bytes

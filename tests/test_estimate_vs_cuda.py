@@ -1,0 +1,34 @@
+"""The estimate against the CUDA measurements committed under results/gpu_check/ (real runs, each on the card its
+env.json names): every point of each nightly sweep a GPU check measured, estimated for that card as
+scripts/check_estimate.py --cuda-dir does, is within TOLERANCE of its measured peak allocated
+(max_memory_allocated) and peak reserved (max_memory_reserved) bytes, with the same status."""
+
+import pytest
+
+from conftest import REPO, load_script
+
+CUDA_RUNS = sorted(p.parent for p in (REPO / "results" / "gpu_check").glob("*/*/nightly/*/*/results.csv"))
+TOLERANCE = 0.5  # percent
+
+
+def test_there_are_cuda_measurements_to_judge_the_estimate_by():
+    assert CUDA_RUNS, "no results/gpu_check/<card>/<stamp>/nightly/<sweep>/<stamp>/results.csv"
+
+
+@pytest.mark.parametrize("run", CUDA_RUNS, ids=lambda p: f"{p.parents[3].name}/{p.parent.name}")
+def test_the_estimate_for_the_card_is_within_half_a_percent_of_every_measured_peak(run, tmp_path):
+    table = load_script("check_estimate").against(run, tmp_path)
+    assert len(table) and (table["status_cuda"] == table["status_estimate"]).all()
+    assert table["rel_error_%"].abs().max() <= TOLERANCE, table.to_string()
+    assert table["reserved rel_error_%"].abs().max() <= TOLERANCE, table.to_string()
+
+
+@pytest.mark.parametrize("ran, card, estimated", [
+    (["+sweep=seq_len"], "NVIDIA H100 80GB HBM3", ["+sweep=seq_len", "device=h100_80gb"]),
+    (["+sweep=x", "device=none", "measure.backend=cuda"], "NVIDIA H100 80GB HBM3", ["+sweep=x", "device=h100_80gb"]),
+    (["+sweep=x", "device=a100_80gb"], "NVIDIA H100 80GB HBM3", ["+sweep=x", "device=a100_80gb"]),  # its own choice
+    (["+sweep=x", "results_dir=/tmp/r"], "NVIDIA B200", ["+sweep=x"]),  # no profile is that card's
+])
+def test_a_cuda_run_that_named_no_card_is_estimated_for_the_card_it_ran_on(ran, card, estimated):
+    overrides = load_script("check_estimate").estimate_overrides({"overrides": ran, "device_name": card})
+    assert overrides == [*estimated, "measure.backend=estimate"]
