@@ -564,6 +564,10 @@ class CachingAllocatorModel:
                 self._release_block(pool, block)
         return released >= target
 
+    def empty_cache(self) -> None:
+        """torch.cuda.empty_cache (emptyCache): every cached segment no live block uses goes back to CUDA."""
+        self._release_cached_blocks()
+
     def _release_cached_blocks(self) -> None:
         """release_cached_blocks / release_blocks: cudaFree every cached unsplit segment of both pools, unmap the
         free pages of expandable segments, drop a segment with nothing left mapped."""
