@@ -90,3 +90,15 @@ def test_host_memory_of_offloaded_points_is_shown_per_rank_in_gib():
     text = "\n".join(host_memory(table))
     assert "| offloaded  | 3.00              | 1.50            | 1.00" in text and "kept" not in text
     assert host_memory(table.drop(index=0)) == []  # no offload: no section
+
+
+def test_the_summary_says_what_an_estimate_for_no_card_leaves_out_and_only_then():
+    def summary(backend, device):
+        table = pd.DataFrame({"sweep": ["s"], "point_id": ["p"], "backend": [backend], "status": ["ok"],
+                              "device": pd.array([device], dtype="object"), "batch_size": [1],
+                              "peak_allocated_bytes": pd.array([2**30], dtype="Int64")})
+        return report.summary_markdown(table, ["data.batch_size"], {})
+
+    assert report.NO_CARD in summary("estimate", None).splitlines()
+    assert report.NO_CARD not in summary("estimate", "rtx3090")
+    assert report.NO_CARD not in summary("cuda", None)  # a measurement holds whatever its card added

@@ -89,6 +89,8 @@ def summary_markdown(table: pd.DataFrame, axes: list[str], env: dict, beside: st
     cards = sorted(table["device"].dropna().unique()) if "device" in table else []
     if cards:
         lines.append(f"- target card (`device=`, conf/device/): {', '.join(map(str, cards))}")
+    if no_card_estimated(table):
+        lines.append(NO_CARD)
     lines += [
         f"- device: {env.get('device_name', '?')}; torch {env.get('torch')}, transformers {env.get('transformers')}; "
         f"commit {env.get('git_commit')}",
@@ -119,6 +121,18 @@ def summary_markdown(table: pd.DataFrame, axes: list[str], env: dict, beside: st
     else:
         lines += ["(no rows)", ""]
     return "\n".join(lines)
+
+
+NO_CARD = ("- no target card (`device=none`) on the estimated points: their figures leave out what a card adds on "
+           "CUDA, its two cuBLAS workspaces (2 x 8.1 MiB below Hopper, 2 x 32 MiB on Hopper) and the CUDA context; "
+           "name one with `device=` (conf/device/)")
+
+
+def no_card_estimated(table: pd.DataFrame) -> bool:
+    """Whether some estimate or cpu row was made for no card in particular."""
+    if not len(table) or "device" not in table:
+        return False
+    return bool(table.loc[table["backend"].isin(["estimate", "cpu"]), "device"].isna().any())
 
 
 def on_the_card(table: pd.DataFrame) -> list[str]:
