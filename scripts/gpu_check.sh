@@ -20,9 +20,22 @@
 #                       installed) on cuda, then scripts/check_estimate.py --cuda-dir on it (dist_vs_estimate)
 #   9. baseline         the first baseline of this device (results/baseline/<device>/<sweep>/) when none exists
 # Needs nothing but the installed project (pip install -e ".[test]") and a CUDA GPU; about 15 minutes on an H100.
+# In parts, where a command may run only so long (10 minutes through the device tool):
+#   VLMPROBE_GPU_CHECK_ONLY="cuda_tests nightly"   the named steps of 1, 2, 5, 6, 7, 8 only, each with the steps
+#                                                  that read its output (3-4 and 9 with 2, the replay with 6, ...)
 # On a machine reached through a tool that returns few files, pack the directory: tar czf out.tgz -C DIR .
 set -uo pipefail
 cd "$(dirname "$0")/.."
+
+PARTS="cuda_tests nightly recording_cost allocator grpo dist"
+ONLY=" ${VLMPROBE_GPU_CHECK_ONLY:-$PARTS} "
+for part in $ONLY; do
+  if [[ " $PARTS " != *" $part "* ]]; then
+    echo "gpu_check: VLMPROBE_GPU_CHECK_ONLY names '$part': give some of: $PARTS" >&2
+    exit 2
+  fi
+done
+wanted() { [[ "$ONLY" == *" $1 "* ]]; }
 
 python scripts/cuda_usable.py || exit 1
 DEVICE=$(python -c 'import torch; from vlmprobe.compare import device_slug; print(device_slug(torch.cuda.get_device_name(0)))')
@@ -48,31 +61,41 @@ step() {
 
 newest() { LC_ALL=C ls -d "$1"/*/ 2>/dev/null | tail -n 1 | sed 's:/$::'; }
 
-step cuda_tests python -m pytest -q -m cuda -p no:cacheprovider
-step nightly env VLMPROBE_BACKEND=cuda VLMPROBE_RESULTS="$OUT/nightly" scripts/nightly.sh
-SEQ_LEN=$(newest "$OUT/nightly/seq_len")
-IMAGE_SIZE=$(newest "$OUT/nightly/qwen2_vl_image_size")
-CUDA_DIRS=()
-for dir in "$SEQ_LEN" "$IMAGE_SIZE"; do
-  [ -n "$dir" ] && CUDA_DIRS+=(--cuda-dir "$dir")
-done
-step estimate_vs_cuda python scripts/check_estimate.py --parts cuda "${CUDA_DIRS[@]}"
-[ -n "$SEQ_LEN" ] && step finding python -m vlmprobe.check "$SEQ_LEN"
-step recording_cost python -m vlmprobe +sweep=seq_len measure.backend=cuda "results_dir=$OUT/recording_cost" \
-  "sweep.axes.data.batch_size=[8]" "sweep.axes.data.lm_max_length=[512]" \
+wanted cuda_tests && step cuda_tests python -m pytest -q -m cuda -p no:cacheprovider
+SEQ_LEN= IMAGE_SIZE=
+if wanted nightly; then
+  step nightly env VLMPROBE_BACKEND=cuda VLMPROBE_RESULTS="$OUT/nightly" scripts/nightly.sh
+  SEQ_LEN=$(newest "$OUT/nightly/seq_len")
+  IMAGE_SIZE=$(newest "$OUT/nightly/qwen2_vl_image_size")
+  CUDA_DIRS=()
+  for dir in "$SEQ_LEN" "$IMAGE_SIZE"; do
+    [ -n "$dir" ] && CUDA_DIRS+=(--cuda-dir "$dir")
+  done
+  # without a dir check_estimate.py would run both sweeps again on this GPU
+  [ ${#CUDA_DIRS[@]} -gt 0 ] && step estimate_vs_cuda python scripts/check_estimate.py --parts cuda "${CUDA_DIRS[@]}"
+  [ -n "$SEQ_LEN" ] && step finding python -m vlmprobe.check "$SEQ_LEN"
+fi
+wanted recording_cost && step recording_cost python -m vlmprobe +sweep=seq_len measure.backend=cuda \
+  "results_dir=$OUT/recording_cost" "sweep.axes.data.batch_size=[8]" "sweep.axes.data.lm_max_length=[512]" \
   "+sweep.axes.measure.record_history=[off,alloc,all]"
-step allocator python -m vlmprobe +sweep=seq_len measure.backend=cuda measure.snapshot=true \
-  "results_dir=$OUT/allocator" "sweep.axes.data.lm_max_length=[512]" \
-  '+sweep.axes.measure.alloc_conf=[null,"expandable_segments:True","max_split_size_mb:128"]'
-ALLOCATOR=$(newest "$OUT/allocator/seq_len")
-[ -n "$ALLOCATOR" ] && step check_allocator python scripts/check_allocator.py "$ALLOCATOR"
-step grpo python -m vlmprobe +sweep=preset_vlm_r1_grpo_h20 measure.backend=cuda "results_dir=$OUT/grpo" \
-  'sweep.cases=[{}]' 'sweep.axes.data.batch_size=[1]' model.attn_implementation=sdpa device=none
-GRPO=$(newest "$OUT/grpo/preset_vlm_r1_grpo_h20")
-[ -n "$GRPO" ] && step grpo_vs_estimate python scripts/check_estimate.py --parts cuda --cuda-dir "$GRPO"
-step dist python -m vlmprobe +sweep=dist_world1 measure.backend=cuda "results_dir=$OUT/dist"
-DIST=$(newest "$OUT/dist/dist_world1")
-[ -n "$DIST" ] && step dist_vs_estimate python scripts/check_estimate.py --parts cuda --cuda-dir "$DIST"
+if wanted allocator; then
+  step allocator python -m vlmprobe +sweep=seq_len measure.backend=cuda measure.snapshot=true \
+    "results_dir=$OUT/allocator" "sweep.axes.data.lm_max_length=[512]" \
+    '+sweep.axes.measure.alloc_conf=[null,"expandable_segments:True","max_split_size_mb:128"]'
+  ALLOCATOR=$(newest "$OUT/allocator/seq_len")
+  [ -n "$ALLOCATOR" ] && step check_allocator python scripts/check_allocator.py "$ALLOCATOR"
+fi
+if wanted grpo; then
+  step grpo python -m vlmprobe +sweep=preset_vlm_r1_grpo_h20 measure.backend=cuda "results_dir=$OUT/grpo" \
+    'sweep.cases=[{}]' 'sweep.axes.data.batch_size=[1]' model.attn_implementation=sdpa device=none
+  GRPO=$(newest "$OUT/grpo/preset_vlm_r1_grpo_h20")
+  [ -n "$GRPO" ] && step grpo_vs_estimate python scripts/check_estimate.py --parts cuda --cuda-dir "$GRPO"
+fi
+if wanted dist; then
+  step dist python -m vlmprobe +sweep=dist_world1 measure.backend=cuda "results_dir=$OUT/dist"
+  DIST=$(newest "$OUT/dist/dist_world1")
+  [ -n "$DIST" ] && step dist_vs_estimate python scripts/check_estimate.py --parts cuda --cuda-dir "$DIST"
+fi
 
 baseline() {
   local dir target
@@ -86,12 +109,14 @@ baseline() {
     fi
   done
 }
-step baseline baseline
+[ -n "$SEQ_LEN$IMAGE_SIZE" ] && step baseline baseline
 
 {
   echo "# vlmprobe GPU check: $(python scripts/cuda_usable.py 2>&1)"
   echo
   echo "Started from commit $(git rev-parse HEAD 2>/dev/null)$(git diff --quiet HEAD 2>/dev/null || echo ' (dirty)'), $(date -u +%FT%TZ). Every figure here is a CUDA measurement on this device unless a table says estimate."
+  echo
+  echo "Parts run:$ONLY(of: $PARTS)."
   echo
   echo "| step | result | time | log |"
   echo "|---|---|---|---|"
