@@ -213,15 +213,16 @@ def main() -> None:
     print("## What one sample keeps at the backward peak, by hand (MiB = 1024^2 bytes)\n")
     print(families.round(3).to_markdown(index=False), "\n")
     rows = []
+    published = {n: per_sample(peaks, n, "published") if all("published" in peaks[(b, n)] for b in BATCHES) else None
+                 for n in lengths}
     for n in lengths:
         hand = sum(size for _, _, size in counts[n])
         requested = per_sample(peaks, n, "requested")
-        published = per_sample(peaks, n, "published") if all("published" in peaks[(b, n)] for b in BATCHES) else None
         rows.append({"lm_max_length": n, "hand MiB": hand / MiB, "estimate requested MiB": requested / MiB,
                      "requested - hand B": requested - hand,
                      "estimate allocated MiB": per_sample(peaks, n, "allocated") / MiB,
-                     "published MiB (RTX 3090)": None if published is None else published / MiB,
-                     "published - requested MiB": None if published is None else (published - requested) / MiB})
+                     "published MiB (RTX 3090)": None if published[n] is None else published[n] / MiB,
+                     "published - requested MiB": None if published[n] is None else (published[n] - requested) / MiB})
     low, high = BATCHES
     print(f"## Per sample, batch {low} -> {high} (estimate: backend estimate, no GPU; published: CUDA)\n")
     print(pd.DataFrame(rows).round(2).to_markdown(index=False), "\n")
@@ -233,11 +234,10 @@ def main() -> None:
             if all((b, n) in peaks_measured for b in BATCHES):
                 cuda, estimate = per_sample(peaks_measured, n, "allocated"), per_sample(estimated, n, "allocated")
                 measured.append({"card (cuda)": card, "lm_max_length": n, "measured MiB": cuda / MiB,
-                                 f"estimate allocated MiB (device={key})": estimate / MiB,
+                                 "estimated for": f"device={key or 'none'}", "estimate allocated MiB": estimate / MiB,
                                  "estimate - measured MiB": (estimate - cuda) / MiB,
                                  "published (RTX 3090) - measured MiB":
-                                     rows[lengths.index(n)]["published MiB (RTX 3090)"] - cuda / MiB
-                                     if rows[lengths.index(n)]["published MiB (RTX 3090)"] is not None else None})
+                                     None if published[n] is None else (published[n] - cuda) / MiB})
     if measured:
         print(f"## Per sample, batch {low} -> {high}, measured on CUDA (committed runs under results/gpu_check/)\n")
         print(pd.DataFrame(measured).round(2).to_markdown(index=False), "\n")
