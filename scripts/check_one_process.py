@@ -27,7 +27,9 @@ from hydra.utils import instantiate
 
 from vlmprobe import backends, reference
 from vlmprobe.distributed import engines
+from vlmprobe.errors import ConfigError
 from vlmprobe.estimate import device_profile
+from vlmprobe.overrides import CONF
 from vlmprobe.models.base import DataShape
 from vlmprobe.plan import plan_overrides
 from vlmprobe.results import MiB
@@ -88,27 +90,51 @@ def one_process(configs: list[dict]) -> dict[int, int | None]:
     return peaks
 
 
+def positive_ints(text: str) -> list[int]:
+    """argparse's type for a comma-separated list of positive integers (its error is one line, exit 2)."""
+    try:
+        values = [int(x) for x in text.split(",")]
+    except ValueError:
+        values = []
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not allowed: give positive integers, comma-separated")
+    return values
+
+
+def options(group: str) -> list[str]:
+    """The configs of a conf/ group (conf/<group>/*.yaml), by name."""
+    return sorted(path.stem for path in (CONF / group).glob("*.yaml"))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--lengths", default="128,512", help="lm_max_length values (comma-separated)")
-    parser.add_argument("--batch-sizes", default="1,8,16", help="in the order measure_vram.py ran them")
-    parser.add_argument("--device", default=reference.CARD.key, help="the card's profile (conf/device/)")
-    parser.add_argument("--model", default=None, help="another model config (default: the sweep's nanoVLM-222M)")
+    parser.add_argument("--lengths", type=positive_ints, default="128,512",
+                        help="lm_max_length values (comma-separated)")
+    parser.add_argument("--batch-sizes", type=positive_ints, default="1,8,16",
+                        help="in the order measure_vram.py ran them")
+    parser.add_argument("--device", default=reference.CARD.key, choices=[c for c in options("device") if c != "none"],
+                        metavar="PROFILE", help="the card's profile (conf/device/)")
+    parser.add_argument("--model", default=None, choices=options("model"), metavar="MODEL",
+                        help="another model config (default: the sweep's nanoVLM-222M)")
     args = parser.parse_args()
-    lengths = [int(x) for x in args.lengths.split(",")]
-    batch_sizes = [int(x) for x in args.batch_sizes.split(",")]
+    lengths, batch_sizes = args.lengths, args.batch_sizes
+    try:  # a value the planner refuses (a length too short for the model's image tokens, ...): its one line
+        planned = {length: points(length, batch_sizes, args.device, args.model) for length in lengths}
+    except ConfigError as exc:
+        parser.error(str(exc))
     published = {} if args.model else {(r.batch_size, r.lm_max_length): int(r.peak_bytes)
                                        for r in reference.load().itertuples() if r.status == "ok"}
     rows, slopes = [], []
     for length in lengths:
-        configs = points(length, batch_sizes, args.device, args.model)
+        configs = planned[length]
         alone, together = fresh(configs), one_process(configs)
         figures = {"published": {b: published.get((b, length)) for b in batch_sizes}, "fresh process": alone,
                    "one process": together}
         for b in batch_sizes:
             rows.append({"lm_max_length": length, "batch_size": b,
                          **{f"{k} MiB": None if v[b] is None else v[b] / MiB for k, v in figures.items()},
-                         "one - fresh MiB": None if None in (alone[b], together[b]) else (together[b] - alone[b]) / MiB})
+                         "one - fresh MiB":
+                             None if None in (alone[b], together[b]) else (together[b] - alone[b]) / MiB})
         if all(b in batch_sizes for b in SLOPE):
             low, high = SLOPE
             slopes.append({"lm_max_length": length, **{
