@@ -414,3 +414,30 @@ def test_emulated_dtypes_match_real_cuda_autocast(name):
         expected = fn().dtype
     with cuda_autocast_policy(), _autocast():
         assert fn().dtype == expected
+
+
+class CastOrder(TorchDispatchMode):
+    """The shapes autocast casts, in the order it casts them."""
+
+    def __init__(self):
+        super().__init__()
+        self.shapes = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten._to_copy.default:
+            self.shapes.append(tuple(args[0].shape))
+        return func(*args, **(kwargs or {}))
+
+
+def test_emulated_kernels_cast_in_the_order_the_cpp_wrappers_do():
+    """A C++ autocast wrapper casts its arguments in the order this build evaluates a call's arguments (the
+    CPU and CUDA wrappers are one template): conv2d's CPU kernel, C++ here, casts the bias, the weight, then the
+    input. aten.convolution is autocast by CUDA only, so the policy gives it a Python kernel: it must cast in
+    that same order, which decides where the copies land in the allocator."""
+    x, w, b = torch.randn(2, 3, 8, 8), torch.randn(4, 3, 4, 4, requires_grad=True), torch.randn(4, requires_grad=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16), CastOrder() as cpp:
+        F.conv2d(x, w, b, stride=4)
+    with cuda_autocast_policy(), torch.autocast("cpu", dtype=torch.bfloat16), CastOrder() as emulated:
+        torch.ops.aten.convolution(x, w, b, [4, 4], [0, 0], [1, 1], False, [0, 0], 1)
+    assert cpp.shapes == [(4,), (4, 3, 4, 4), (2, 3, 8, 8)]
+    assert emulated.shapes == cpp.shapes

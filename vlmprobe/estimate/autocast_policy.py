@@ -253,13 +253,23 @@ def _make_kernel(name: str, policy: str):
     names = [a.name for a in arguments]
 
     def map_tensors(fn, args, kwargs):
+        """fn applied to each tensor argument, the last argument first: the C++ wrappers cast with a pack
+        expansion in a call's arguments (`(*F)(cached_cast(to_type, args, device_type)...)`), whose order C++
+        leaves to the compiler, and torch's Linux builds (GCC) evaluate it right to left: the CPU kernels here
+        cast a convolution's bias, then its weight, then its input (tests/test_autocast_policy.py), and CUDA's
+        wrappers are the same template in the same build. The order places the cast copies in the allocator.
+        A list's tensors are cast in order (a loop)."""
         def one(value):
             if isinstance(value, (list, tuple)):
                 return type(value)(fn(v) for v in value)
             return fn(value)
 
-        args = [one(v) if names[i] in tensor_args else v for i, v in enumerate(args)]
-        kwargs = {k: one(v) if k in tensor_args else v for k, v in kwargs.items()}
+        args, kwargs = list(args), dict(kwargs)
+        for i, name in reversed([(i, name) for i, name in enumerate(names) if name in tensor_args]):
+            if i < len(args):
+                args[i] = one(args[i])
+            elif name in kwargs:
+                kwargs[name] = one(kwargs[name])
         return args, kwargs
 
     def bound(args, kwargs):
