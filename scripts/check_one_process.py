@@ -29,10 +29,10 @@ from vlmprobe import backends, reference
 from vlmprobe.distributed import engines
 from vlmprobe.errors import ConfigError
 from vlmprobe.estimate import device_profile
-from vlmprobe.overrides import CONF
 from vlmprobe.models.base import DataShape
 from vlmprobe.plan import plan_overrides
 from vlmprobe.results import MiB
+from vlmprobe.script_args import options, positive_ints
 from vlmprobe.worker import DTYPES, build_spec, built, measure
 
 SLOPE = (8, 16)  # batch sizes between which the cost of a sample is taken (both lengths are published there)
@@ -88,22 +88,6 @@ def one_process(configs: list[dict]) -> dict[int, int | None]:
             meter.tracker.allocator.empty_cache()
         del held
     return peaks
-
-
-def positive_ints(text: str) -> list[int]:
-    """argparse's type for a comma-separated list of positive integers (its error is one line, exit 2)."""
-    try:
-        values = [int(x) for x in text.split(",")]
-    except ValueError:
-        values = []
-    if not values or min(values) < 1:
-        raise argparse.ArgumentTypeError(f"{text!r} is not allowed: give positive integers, comma-separated")
-    return values
-
-
-def options(group: str) -> list[str]:
-    """The configs of a conf/ group (conf/<group>/*.yaml), by name."""
-    return sorted(path.stem for path in (CONF / group).glob("*.yaml"))
 
 
 def main() -> None:

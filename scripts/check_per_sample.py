@@ -73,6 +73,7 @@ from vlmprobe import backends, reference
 from vlmprobe.estimate import device_profile
 from vlmprobe.plan import plan_overrides
 from vlmprobe.results import MiB, read_results_dir
+from vlmprobe.script_args import positive_ints
 from vlmprobe.worker import measure
 
 REPO = Path(__file__).resolve().parent.parent
@@ -198,9 +199,10 @@ def measured_runs(root: Path = REPO / "results" / "gpu_check") -> list[tuple[str
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--lengths", default="128,512", help="lm_max_length values (comma-separated)")
+    parser.add_argument("--lengths", type=positive_ints, default="128,512",
+                        help="lm_max_length values (comma-separated)")
     args = parser.parse_args()
-    lengths = [int(x) for x in args.lengths.split(",")]
+    lengths = args.lengths
     peaks = estimate_peaks(lengths)
     for r in reference.load().itertuples():
         if (r.batch_size, r.lm_max_length) in peaks and r.status == "ok":
