@@ -84,7 +84,8 @@ BF16, FP32, INT64 = 2, 4, 8
 def hand_count(model: dict, length: int) -> list[tuple[str, str, int]]:
     """(family, formula, bytes) a sample of `length` LM tokens keeps at the backward peak: nanoVLM-222M's
     step (vlmprobe.models.nanovlm) with fp32 weights under bf16 autocast and the logits held.
-    N/n layers, H/D hidden, I/M MLP width, h/hv heads of the LM/ViT, V vocab, T patches, S image side."""
+    N/n layers, H/D hidden, I/M MLP width, h/hv heads of the LM/ViT, V vocab, T patches, S image side, f the
+    pixel-shuffle factor."""
     text, vision = model["text"], model["vision"]
     N, H, I, h, V = (text[k] for k in ("num_hidden_layers", "hidden_size", "intermediate_size",
                                        "num_attention_heads", "vocab_size"))
@@ -119,6 +120,10 @@ def hand_count(model: dict, length: int) -> list[tuple[str, str, int]]:
         ("nll_loss input cast to fp32 (autocast fp32 list), saved", "L*V*4", L * V * FP32),
         ("nll_loss_backward's gradient (fp32): the op at the peak", "L*V*4", L * V * FP32),
         ("batch: input_ids, labels, attention_mask (int64)", "3*L*8", 3 * L * INT64),
+        # the image features written into the embeddings by advanced indexing: index_put saves its indices, the
+        # sample's row (a view of one arange) and its image positions
+        ("image positions: index_put's indices (int64), saved", "(T/f^2 + 1)*8",
+         (T // model["pixel_shuffle_factor"] ** 2 + 1) * INT64),
         # the ViT, per layer (T patches, no mask: flash on CUDA and on CPU)
         ("ViT: linear inputs cast to bf16 (qkv, fc1)", "n*T*2D*2", n * T * 2 * D * BF16),
         ("ViT: qkv output (bf16; q, k, v views saved by SDPA)", "n*T*3D*2", n * T * 3 * D * BF16),
@@ -185,9 +190,12 @@ def per_sample(peaks: dict, length: int, figure: str) -> float:
 
 def measured_runs(root: Path = REPO / "results" / "gpu_check") -> list[tuple[str, dict]]:
     """(card, (batch, length) -> {"allocated": bytes}) of each committed CUDA run of the seq_len sweep that has
-    both lengths at BATCHES: a measurement of the very step the estimate runs."""
+    both lengths at BATCHES: a measurement of the very step the estimate runs (not a run marked SUPERSEDED.md:
+    it measured a program the code no longer runs)."""
     runs = []
     for csv in sorted(root.glob("*/*/nightly/seq_len/*/results.csv")):
+        if (csv.parent / "SUPERSEDED.md").exists():
+            continue
         table = read_results_dir(csv.parent)
         card = json.loads((csv.parent / "env.json").read_text())["device_name"]
         table = table[(table["backend"] == "cuda") & (table["status"] == "ok")]

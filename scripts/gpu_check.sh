@@ -18,16 +18,19 @@
 #   8. dist             every engine at world size 1 (+sweep=dist_world1: ddp, fsdp2 with and without CPU offload,
 #                       zero2, zero3 with and without offload; DeepSpeed's rows are skipped where it is not
 #                       installed) on cuda, then scripts/check_estimate.py --cuda-dir on it (dist_vs_estimate)
-#   9. baseline         the first baseline of this device (results/baseline/<device>/<sweep>/) when none exists
+#   9. nanovlm_code     nanoVLM's own model code (a checkout at VLMPROBE_NANOVLM_DIR, e.g. carried to the machine)
+#                       beside vlmprobe's implementation on the seq_len points, both measured on cuda
+#                       (scripts/check_nanovlm_code.py --backend cuda); skipped without a checkout
+#  10. baseline         the first baseline of this device (results/baseline/<device>/<sweep>/) when none exists
 # Needs nothing but the installed project (pip install -e ".[test]") and a CUDA GPU; about 15 minutes on an H100.
 # In parts, where a command may run only so long (10 minutes through the device tool):
-#   VLMPROBE_GPU_CHECK_ONLY="cuda_tests nightly"   the named steps of 1, 2, 5, 6, 7, 8 only, each with the steps
-#                                                  that read its output (3-4 and 9 with 2, the replay with 6, ...)
+#   VLMPROBE_GPU_CHECK_ONLY="cuda_tests nightly"   the named steps of 1, 2, 5, 6, 7, 8, 9 only, each with the steps
+#                                                  that read its output (3-4 and 10 with 2, the replay with 6, ...)
 # On a machine reached through a tool that returns few files, pack the directory: tar czf out.tgz -C DIR .
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
-PARTS="cuda_tests nightly recording_cost allocator grpo dist"
+PARTS="cuda_tests nightly recording_cost allocator grpo dist nanovlm_code"
 ONLY=" ${VLMPROBE_GPU_CHECK_ONLY:-$PARTS} "
 for part in $ONLY; do
   if [[ " $PARTS " != *" $part "* ]]; then
@@ -95,6 +98,13 @@ if wanted dist; then
   step dist python -m vlmprobe +sweep=dist_world1 measure.backend=cuda "results_dir=$OUT/dist"
   DIST=$(newest "$OUT/dist/dist_world1")
   [ -n "$DIST" ] && step dist_vs_estimate python scripts/check_estimate.py --parts cuda --cuda-dir "$DIST"
+fi
+if wanted nanovlm_code; then
+  if [ -n "${VLMPROBE_NANOVLM_DIR:-}" ]; then
+    step nanovlm_code python scripts/check_nanovlm_code.py --nanovlm-dir "$VLMPROBE_NANOVLM_DIR" --backend cuda
+  else
+    STATUS+=("| nanovlm_code | skipped: VLMPROBE_NANOVLM_DIR names no nanoVLM checkout | 0 s | |")
+  fi
 fi
 
 baseline() {

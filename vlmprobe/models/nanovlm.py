@@ -1,21 +1,30 @@
 """nanoVLM: a SigLIP-style ViT, a pixel-shuffle projector and a Llama-style LM, computed as nanoVLM's own
-code computes them (huggingface/nanoVLM at the commit of issue #103, 731d8c6 / 91a3b93), so that the
-activations saved for backward are nanoVLM's, not those of another implementation of the same weights.
+code computes them (huggingface/nanoVLM at the commit of issue #103, 731d8c6 / 91a3b93), so that what the
+step allocates, keeps for backward and frees, in what order, is nanoVLM's, not that of another implementation
+of the same weights.
 
 What matters for memory, and is reproduced here (behaviour, written independently):
 - ViT: Conv2d patch embedding plus a learned position embedding (no CLS token); one fused qkv Linear with
-  bias per block, split into views; SDPA without mask; tanh-GELU MLP; pre-norm LayerNorms; final LayerNorm.
+  bias per block, split into q, k, v views; SDPA without mask; tanh-GELU MLP; pre-norm LayerNorms; final
+  LayerNorm.
 - Projector: pixel shuffle (view, 6-d reshape, permute + contiguous copy, reshape), Linear without bias.
 - LM: RMSNorm without dtype casts (fp32 residual stream); RoPE recomputed every call for the batch's
   position ids (B, L, head_dim) in fp32; K and V expanded to all heads with repeat_interleave before SDPA;
-  an additive (B, 1, 1, L) padding mask passed with is_causal=True (CUDA runs the memory-efficient
-  kernel), in the residual stream's dtype (fp32 in fp32 + autocast training, as nanoVLM's); SiLU-gated MLP; final RMSNorm; head tied to the token embedding.
-- The image features replace the first n_image_tokens positions (nanoVLM writes them over the image
-  placeholders; a fixed slice keeps shapes static for fake tensors); the head runs over every position and
-  the loss is cross-entropy with ignore_index -100 over all of them.
-Not reproduced: the per-layer KV-cache list nanoVLM builds and keeps until the forward returns (it raises
-the forward-phase peak, not the backward peak that sets the step's peak); dropout layers (p = 0 there).
-Parameter names differ from nanoVLM's; counts are the same (nanoVLM-222M: 222,083,328 with 3 added tokens).
+  an additive (B, 1, 1, L) padding mask made in each block and passed with is_causal=True (CUDA runs the
+  memory-efficient kernel), in the residual stream's dtype (fp32 in fp32 + autocast training, as nanoVLM's);
+  SiLU-gated MLP; final RMSNorm; head tied to the token embedding. Each block's key and value are kept
+  until the forward returns (nanoVLM's KV-cache list).
+- The image features are written by index over each sample's image placeholders in a copy of the token
+  embeddings; the head runs over every position and the loss, computed in the forward, is cross-entropy with
+  ignore_index -100 over all of them.
+- When a tensor dies: nanoVLM's call structure and names (its attention and MLP are sub-calls, what it binds
+  to a local lives until that call returns), and the order its modules are made in (the order of
+  parameters(), which the optimizer's foreach kernels follow).
+Not reproduced: dropout layers (p = 0 there). The LM's linear layers carry nanoVLM's names (q/k/v/out_proj,
+gate/up/down_proj: LoRA's target_modules match them); the modules holding them do not. Parameter counts are
+nanoVLM's (nanoVLM-222M: 222,083,328 with 3 added tokens). scripts/check_nanovlm_code.py runs nanoVLM's own
+code beside this through the same step: 0 B apart in every figure of the seq_len sweep (estimate).
+With model.source (a nanoVLM checkout), nanoVLM's own modules run instead (vlmprobe.models.nanovlm_source).
 """
 
 from __future__ import annotations
@@ -27,8 +36,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from vlmprobe.errors import ConfigError
+from vlmprobe.models import nanovlm_source
 from vlmprobe.models.base import IGNORE_INDEX, DataShape, ModelSpec
+
 ATTENTION = ("sdpa", "eager")
+ROPE_SCALING = 1.0  # nanoVLM's lm_attn_scaling: its cos and sin are multiplied by it
 
 
 def attention(q, k, v, mask, is_causal: bool, implementation: str) -> torch.Tensor:
@@ -57,11 +69,23 @@ class ViTBlock(nn.Module):
         self.fc2 = nn.Linear(mlp, hidden)
 
     def forward(self, x):
-        b, s, d = x.shape
-        q, k, v = self.qkv(self.norm1(x)).view(b, s, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
+        # each sublayer is a call that gets its normed input as an argument, as nanoVLM's attention and MLP
+        # modules do: the normed input stays alive until the sublayer returns, which decides where the
+        # allocator places what comes after it
+        x = x + self.attend(self.norm1(x))
+        return x + self.mlp(self.norm2(x))
+
+    def attend(self, h):
+        b, s, d = h.shape
+        # split, then one view per head layout: backward joins the three gradients with one cat (unbinding a
+        # (B, S, 3, H, hd) view instead stacks them and copies the stack once more to undo its permute)
+        q, k, v = (t.view(b, s, self.heads, d // self.heads).transpose(1, 2) for t in self.qkv(h).split(d, dim=2))
         y = attention(q, k, v, None, False, self.implementation)
-        x = x + self.out(y.transpose(1, 2).reshape(b, s, d))
-        return x + self.fc2(F.gelu(self.fc1(self.norm2(x)), approximate="tanh"))
+        y = y.transpose(1, 2).contiguous().view(b, s, d)
+        return self.out(y)
+
+    def mlp(self, h):
+        return self.fc2(F.gelu(self.fc1(h), approximate="tanh"))
 
 
 class ViT(nn.Module):
@@ -90,12 +114,19 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.empty(hidden))
 
     def forward(self, x):
-        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
+        # bound to a name, the inverse RMS lives until return as nanoVLM's does: past the weight's multiply
+        # where nothing saves it (activation checkpointing's first pass)
+        inverse_rms = torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return x * inverse_rms * self.weight
 
 
 def rotate_half(x):
     first, second = x.chunk(2, dim=-1)
     return torch.cat((-second, first), dim=-1)
+
+
+def rope(x, cos, sin):
+    return x * cos + rotate_half(x) * sin
 
 
 class LMBlock(nn.Module):
@@ -104,69 +135,110 @@ class LMBlock(nn.Module):
         hidden, heads, kv_heads = cfg["hidden_size"], cfg["num_attention_heads"], cfg["num_key_value_heads"]
         self.heads, self.kv_heads, self.head_dim = heads, kv_heads, hidden // heads
         self.implementation = implementation
-        self.norm1 = RMSNorm(hidden, cfg["rms_norm_eps"])
-        self.q_proj = nn.Linear(hidden, hidden, bias=False)
-        self.k_proj = nn.Linear(hidden, kv_heads * self.head_dim, bias=False)
-        self.v_proj = nn.Linear(hidden, kv_heads * self.head_dim, bias=False)
-        self.o_proj = nn.Linear(hidden, hidden, bias=False)
-        self.norm2 = RMSNorm(hidden, cfg["rms_norm_eps"])
+        # made in nanoVLM's order (its MLP, its attention, then the norms): the order of parameters() is the
+        # order in which the optimizer's foreach kernels make their temporaries, and creation order places them
         self.gate_proj = nn.Linear(hidden, cfg["intermediate_size"], bias=False)
         self.up_proj = nn.Linear(hidden, cfg["intermediate_size"], bias=False)
         self.down_proj = nn.Linear(cfg["intermediate_size"], hidden, bias=False)
+        self.q_proj = nn.Linear(hidden, hidden, bias=False)
+        self.k_proj = nn.Linear(hidden, kv_heads * self.head_dim, bias=False)
+        self.v_proj = nn.Linear(hidden, kv_heads * self.head_dim, bias=False)
+        self.out_proj = nn.Linear(hidden, hidden, bias=False)
+        self.norm1 = RMSNorm(hidden, cfg["rms_norm_eps"])
+        self.norm2 = RMSNorm(hidden, cfg["rms_norm_eps"])
+        self._kept: list | None = None  # where the forward keeps this block's key and value (LM.forward)
 
-    def forward(self, x, cos, sin, mask):
-        b, s, d = x.shape
-        h = self.norm1(x)
-        q = self.q_proj(h).view(b, s, self.heads, self.head_dim).transpose(1, 2)
-        k = self.k_proj(h).view(b, s, self.kv_heads, self.head_dim).transpose(1, 2)
+    def forward(self, x, cos, sin, attention_mask):
+        # sublayers as calls, as in the ViT's blocks (nanoVLM's attention and MLP are modules). The key and
+        # value live until the block returns, as nanoVLM's block returns them, and past it in the forward's
+        # list (LM.forward); not when checkpointing recomputes the block in backward, whose caller drops them
+        key_value = []
+        x = x + self.attend(self.norm1(x), cos, sin, attention_mask, key_value)
+        if self._kept is not None:
+            self._kept.append(key_value)
+        return x + self.mlp(self.norm2(x))
+
+    def attend(self, h, cos, sin, attention_mask, key_value: list):
+        b, s, d = h.shape
+        # the projections stay bound until this returns, as nanoVLM's attention keeps them in locals: q's and
+        # k's (bf16) are dropped only then, though nothing after RoPE reads them
+        q_proj = self.q_proj(h).view(b, s, self.heads, self.head_dim).transpose(1, 2)
+        k_proj = self.k_proj(h).view(b, s, self.kv_heads, self.head_dim).transpose(1, 2)
         v = self.v_proj(h).view(b, s, self.kv_heads, self.head_dim).transpose(1, 2)
-        q = q * cos + rotate_half(q) * sin  # bf16 x fp32: q and k come out fp32, as in nanoVLM
-        k = k * cos + rotate_half(k) * sin
+        q, k = rope(q_proj, cos, sin), rope(k_proj, cos, sin)  # bf16 x fp32: fp32, as in nanoVLM
+        key_value += (k, v)
         groups = self.heads // self.kv_heads
-        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
-        y = attention(q, k, v, mask, True, self.implementation)
-        x = x + self.o_proj(y.transpose(1, 2).contiguous().view(b, s, d))
-        h = self.norm2(x)
-        return x + self.down_proj(F.silu(self.gate_proj(h)) * self.up_proj(h))
+        k_all, v_all = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+        # additive padding mask (B, 1, 1, L), made by each block as nanoVLM's attention makes it: 0 where
+        # attended, the dtype's minimum where padded. Built in the residual stream's dtype, which is the query's
+        # where no autocast casts it: CUDA's memory-efficient kernel refuses a bias of another dtype ("invalid
+        # dtype for bias"), as pure bf16 training would meet with an fp32 mask (nanoVLM's is always fp32: the
+        # same under fp32 weights + autocast, where SDPA gets both cast to the autocast dtype).
+        mask = (1.0 - attention_mask[:, None, None, :].to(h.dtype)) * torch.finfo(h.dtype).min
+        y = attention(q, k_all, v_all, mask, True, self.implementation)
+        y = y.transpose(1, 2).contiguous().view(b, s, d)
+        return self.out_proj(y)
+
+    def mlp(self, h):
+        gate, up = F.silu(self.gate_proj(h)), self.up_proj(h)  # bound until return, as nanoVLM's are
+        return self.down_proj(gate * up)
 
 
 class LM(nn.Module):
     def __init__(self, cfg: dict, implementation: str):
         super().__init__()
         self.embed = nn.Embedding(cfg["vocab_size"], cfg["hidden_size"])
+        self.max_positions = cfg["max_position_embeddings"]
+        head_dim = cfg["hidden_size"] // cfg["num_attention_heads"]
+        self.register_buffer(
+            "inv_freq", 1.0 / cfg["rope_theta"] ** (torch.arange(0, head_dim, 2).float() / head_dim),
+            persistent=False)
         self.blocks = nn.ModuleList(LMBlock(cfg, implementation) for _ in range(cfg["num_hidden_layers"]))
         self.norm = RMSNorm(cfg["hidden_size"], cfg["rms_norm_eps"])
         self.head = nn.Linear(cfg["hidden_size"], cfg["vocab_size"], bias=False)
         self.head.weight = self.embed.weight  # tied
-        head_dim = cfg["hidden_size"] // cfg["num_attention_heads"]
-        self.register_buffer(
-            "inv_freq", 1.0 / cfg["rope_theta"] ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim),
-            persistent=False)
 
-    def rope(self, batch: int, length: int, device):
-        """cos, sin of shape (B, 1, L, head_dim) in the weights' dtype (fp32 in nanoVLM's fp32 + autocast
-        training; bf16 for pure bf16 weights, where fp32 would leave q, k and v in different dtypes),
-        recomputed every call for the batch's positions."""
+    def rope(self, positions):
+        """cos, sin of shape (B, 1, L, head_dim) for the batch's positions (B, L), recomputed every call, in the
+        weights' dtype (fp32 in nanoVLM's fp32 + autocast training; bf16 for pure bf16 weights, where fp32
+        would leave q, k and v in different dtypes). As nanoVLM computes them: past the positions the LM was
+        trained on its frequencies are stretched (one value read back from the device; the estimate reads it
+        as within them, where the step allocates 128 B less), and both are scaled by its attention scaling
+        (1.0 in every config of it: a multiply that allocates)."""
         with torch.no_grad():
-            positions = torch.arange(length, device=device).unsqueeze(0).expand(batch, -1)
-            freqs = positions[..., None].float() * self.inv_freq.float()
+            longest = positions.max() + 1
+            inv_freq = self.inv_freq
+            if longest > self.max_positions:
+                inv_freq = inv_freq / (longest / self.max_positions)
+            flat = positions.reshape(-1).float()  # the expanded positions cannot be viewed flat: a copy
+            freqs = (flat.unsqueeze(-1) * inv_freq.unsqueeze(0)).reshape(*positions.shape, -1)
             emb = torch.cat((freqs, freqs), dim=-1)
+            cos, sin = emb.cos() * ROPE_SCALING, emb.sin() * ROPE_SCALING
             dtype = self.embed.weight.dtype
-            return emb.cos().unsqueeze(1).to(dtype), emb.sin().unsqueeze(1).to(dtype)
+            return cos.unsqueeze(1).to(dtype), sin.unsqueeze(1).to(dtype)
 
-    def forward(self, embeds, attention_mask):
+    def forward(self, embeds, attention_mask, kept: list):
+        """The final norm's output (B, L, D); the head is the caller's, as in nanoVLM.
+
+        Each block's key (after RoPE) and value go into `kept`, as nanoVLM's LM returns them in its KV-cache
+        list, which its VisionLanguageModel.forward holds in a local until it returns: past the head and the
+        loss, through the forward's peak. Backward needs none of them (the attention keeps its own expanded
+        copies): they raise the forward's peak and what it leaves reserved. The list reaches the blocks as an
+        attribute for the loop, not as an argument: activation checkpointing keeps a block's arguments until
+        its backward (and would keep every key and value with them), and the blocks' calls stay alike for the
+        estimate's replay (vlmprobe.estimate.block_replay)."""
         b, s, _ = embeds.shape
-        cos, sin = self.rope(b, s, embeds.device)
-        # additive padding mask (B, 1, 1, L): 0 where attended, the dtype's minimum where padded. Built in
-        # the residual stream's dtype, which is the query's where no autocast casts it: CUDA's
-        # memory-efficient kernel refuses a bias of another dtype ("invalid dtype for bias"), as pure bf16
-        # training would meet with an fp32 mask. Under autocast SDPA gets both cast to the autocast dtype.
-        dtype = embeds.dtype
-        mask = (1.0 - attention_mask.to(dtype))[:, None, None, :] * torch.finfo(dtype).min
+        positions = torch.arange(s, device=embeds.device).unsqueeze(0).expand(b, -1)
+        cos, sin = self.rope(positions)
         x = embeds
-        for block in self.blocks:
-            x = block(x, cos, sin, mask)
-        return self.head(self.norm(x))
+        try:
+            for block in self.blocks:
+                block._kept = kept
+                x = block(x, cos, sin, attention_mask)
+        finally:
+            for block in self.blocks:
+                block._kept = None
+        return self.norm(x)
 
 
 def pixel_shuffle(x: torch.Tensor, factor: int) -> torch.Tensor:
@@ -179,20 +251,46 @@ def pixel_shuffle(x: torch.Tensor, factor: int) -> torch.Tensor:
 
 
 class NanoVLM(nn.Module):
-    def __init__(self, vision: dict, text: dict, image_size: int, pixel_shuffle_factor: int, implementation: str):
+    def __init__(self, vision: dict, text: dict, image_size: int, pixel_shuffle_factor: int, implementation: str,
+                 image_token_id: int):
         super().__init__()
         self.pixel_shuffle_factor = pixel_shuffle_factor
-        self.vision = ViT(vision, image_size, implementation)
-        self.projector = nn.Linear(vision["hidden_size"] * pixel_shuffle_factor**2, text["hidden_size"], bias=False)
+        self.image_token_id = image_token_id
+        self.vision = ViT(vision, image_size, implementation)  # nanoVLM's order: vision, LM, projector
         self.lm = LM(text, implementation)
+        self.projector = nn.Linear(vision["hidden_size"] * pixel_shuffle_factor**2, text["hidden_size"], bias=False)
 
-    def forward(self, input_ids, attention_mask, pixel_values):
-        """Logits (B, L, V); the first n positions of each sample hold its n image tokens."""
-        image = self.projector(pixel_shuffle(self.vision(pixel_values), self.pixel_shuffle_factor))
-        image = image.reshape(input_ids.shape[0], -1, image.shape[-1])
-        tokens = self.lm.embed(input_ids[:, image.shape[1]:])
-        embeds = torch.cat([image.to(tokens.dtype), tokens], dim=1)
-        return self.lm(embeds, attention_mask)
+    def forward(self, input_ids, image, attention_mask, targets):
+        """(logits (B, L, V), loss), with nanoVLM's arguments: each sample's images are written over its image
+        placeholders, the run of tokens from the first one; the loss is cross-entropy over every position.
+        What is bound to a name here lives until this returns, as in nanoVLM's forward: the ViT's output until
+        the projection returns, the token embeddings and the LM's keys and values through the head and the
+        loss."""
+        image = self.vision(image)
+        image = self.project(image).reshape(input_ids.shape[0], -1, self.lm.embed.embedding_dim)
+        tokens = self.lm.embed(input_ids)
+        embeds = with_images(tokens, input_ids, image, self.image_token_id)
+        kept = []  # each block's key and value, dropped when this returns (LM.forward)
+        logits = self.lm.head(self.lm(embeds, attention_mask, kept))
+        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), ignore_index=IGNORE_INDEX)
+        return logits, loss
+
+    def project(self, features):
+        return self.projector(pixel_shuffle(features, self.pixel_shuffle_factor))
+
+
+def with_images(tokens: torch.Tensor, input_ids: torch.Tensor, image: torch.Tensor, token_id: int) -> torch.Tensor:
+    """A copy of the token embeddings (B, L, D) with each sample's image features (B, n, D) written over its n
+    image positions, the run from its first placeholder (found on the device with argmax, as nanoVLM finds it;
+    no value is read back). The index tensors live until this returns, as nanoVLM's do."""
+    embeds = tokens.clone()
+    count = image.shape[1]
+    first = (input_ids == token_id).int().argmax(dim=1)
+    rows = torch.arange(input_ids.shape[0], device=input_ids.device).unsqueeze(1).expand(-1, count)
+    offsets = torch.arange(count, device=input_ids.device).unsqueeze(0)
+    columns = first.unsqueeze(1) + offsets
+    embeds[rows, columns] = image.to(embeds.dtype)
+    return embeds
 
 
 class NanoVLMSpec(ModelSpec):
@@ -201,10 +299,14 @@ class NanoVLMSpec(ModelSpec):
     uses_transformers = False  # nanoVLM's own modules, above
 
     def __init__(self, name: str, vision: dict, text: dict, pixel_shuffle_factor: int, image_size: int,
-                 attn_implementation: str = "sdpa"):
+                 attn_implementation: str = "sdpa", source: str | None = None):
         if attn_implementation not in ATTENTION:
             raise ConfigError(f"model.attn_implementation={attn_implementation!r} is not allowed for nanoVLM: "
                               f"use one of {', '.join(ATTENTION)}")
+        self.source = None if source is None else nanovlm_source.checked_source(source)
+        if self.source is not None and attn_implementation != "sdpa":
+            raise ConfigError(f"model.attn_implementation={attn_implementation!r} is not allowed with model.source: "
+                              f"nanoVLM's code picks its attention itself (SDPA where torch has it); use sdpa")
         self.name = name
         self.vision = dict(vision)
         self.text = dict(text)
@@ -219,25 +321,44 @@ class NanoVLMSpec(ModelSpec):
                 f"data.image_size={size} is not allowed for {self.name}: its vision tower takes "
                 f"{self.native_image_size} px only (or null for that)"
             )
-        patches = (size // self.vision["patch_size"]) ** 2
-        return data.images_per_sample * patches // self.pixel_shuffle_factor**2
+        if self.source is not None and data.images_per_sample != 1:
+            raise ConfigError(f"data.images_per_sample={data.images_per_sample} is not allowed with model.source: "
+                              f"nanoVLM's code at {nanovlm_source.TESTED} takes one image a sample")
+        return data.images_per_sample * self.tokens_per_image()
+
+    def tokens_per_image(self) -> int:
+        patches = (self.native_image_size // self.vision["patch_size"]) ** 2
+        return patches // self.pixel_shuffle_factor**2
 
     def towers(self, model: nn.Module) -> dict[str, list[nn.Module]]:
+        if self.source is not None:  # nanoVLM's names; its ViT and LM keep their layers in .blocks, as ours do
+            return {"vision": [model.vision_encoder], "lm": [model.decoder]}
         return {"vision": [model.vision], "lm": [model.lm]}
 
     def repeated_blocks(self, model: nn.Module) -> list[list[nn.Module]]:
+        if self.source is not None:  # someone else's blocks: nothing is known of what their forward reads
+            return []
         # our own blocks: each one's forward reads only its own settings and arguments, never its index
         return [list(model.vision.blocks), list(model.lm.blocks)]
 
     def _construct(self) -> nn.Module:
+        if self.source is not None:
+            config_class, model_class = nanovlm_source.load(self.source, self.image_token_id())
+            fields = nanovlm_source.config_fields(self.vision, self.text, self.native_image_size,
+                                                  self.pixel_shuffle_factor, self.tokens_per_image())
+            return model_class(nanovlm_source.make_config(config_class, fields, self.source), load_backbone=False)
         return NanoVLM(self.vision, self.text, self.native_image_size, self.pixel_shuffle_factor,
-                       self.attn_implementation)
+                       self.attn_implementation, self.image_token_id())
+
+    def image_token_id(self) -> int:
+        return nanovlm_source.image_token_id(self.text["vocab_size"])
 
     def batch(self, data: DataShape, device: torch.device) -> dict:
         size = self.image_size(data)
         n_image = self.image_tokens(data)
         shape = (data.batch_size, data.lm_max_length)
         input_ids = torch.randint(0, self.text["vocab_size"], shape, device=device)
+        input_ids[:, :n_image].fill_(self.image_token_id())  # the image's placeholders (nanoVLM's code finds them)
         labels = input_ids.clone()
         labels[:, :n_image].fill_(IGNORE_INDEX)  # no loss on image positions
         pixel_values = torch.randn(data.batch_size * data.images_per_sample, self.vision.get("num_channels", 3),
@@ -248,7 +369,6 @@ class NanoVLMSpec(ModelSpec):
                 "labels": labels}
 
     def loss(self, model: nn.Module, batch: dict):
-        logits = model(batch["input_ids"], batch["attention_mask"], batch["pixel_values"])
-        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), batch["labels"].reshape(-1),
-                               ignore_index=IGNORE_INDEX)
+        # nanoVLM's forward computes its loss itself (ours, as its code does; with model.source, its code)
+        logits, loss = model(batch["input_ids"], batch["pixel_values"], batch["attention_mask"], batch["labels"])
         return loss, logits
