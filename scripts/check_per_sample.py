@@ -58,6 +58,13 @@ its code (the issue's config names a `vit_attn_type` no public nanoVLM commit ha
 kernels; only that code on an sm86 card can tell. Estimated for the 3090 (device=rtx3090, its cuBLAS workspaces),
 the published points are 0.4-2.3 % apart (scripts/check_estimate.py --parts published): within the issue's 1 % at 3
 of 6, and no model of this step, unfitted, brings the other 3 there.
+
+Later that day vlmprobe's nanoVLM was made to compute as nanoVLM's own code does, to the byte
+(scripts/check_nanovlm_code.py): its keys and values are kept until the forward returns, which is before this
+peak, so the families above are the same but for index_put's indices (the image positions, 400 B a sample). The
+H100 run measured the program before (its directory says so in SUPERSEDED.md), so the measured table is left out
+until a GPU check measures today's. Today's estimate (device=none): 253.44 / 816.18 MiB a sample allocated at
+128 / 512 (requested = hand count, 0 B apart); published 263.56 / 859.72.
 """
 
 from __future__ import annotations
