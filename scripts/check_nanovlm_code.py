@@ -60,6 +60,12 @@ def apart(mine: dict, other: dict, key: str) -> str:
     return f"{other[key] - mine[key]:,}"
 
 
+def per_sample(mib: dict, length: int) -> float | None:
+    """MiB a sample between the batch sizes of SLOPE at `length` (None where either point has no figure)."""
+    low, high = (mib.get((batch, length)) for batch in SLOPE)
+    return None if low is None or high is None else (high - low) / (SLOPE[1] - SLOPE[0])
+
+
 def markdown(rows: list[dict], digits: int) -> str:
     frame = pd.DataFrame(rows)
     numbers = frame.select_dtypes("number").columns
@@ -102,19 +108,14 @@ def main() -> None:
     print(f"## Peak per point, backend {config['measure']['backend']}, device={config['device']['name']} "
           f"(MiB = 1024^2 B; published: CUDA, RTX 3090, nanoVLM issue #103)\n")
     print(markdown(table, 1), "\n")
-    low, high = SLOPE
-    slopes = []
-    for length in args.lengths:
-        per_sample = {}
-        for code, found in (*rows.items(), ("published (RTX 3090)", {k: {"status": "ok", "mib": v}
-                                                                     for k, v in published.items()})):
-            at = [found.get((b, length), {}) for b in SLOPE]
-            values = [r.get("mib", figure(r, "peak_allocated_bytes")) if r.get("status") == "ok" else None for r in at]
-            per_sample[f"{code} MiB"] = None if None in values else (values[1] - values[0]) / (high - low)
-        slopes.append({"lm_max_length": length, **per_sample})
+    allocated = {code: {key: figure(row, "peak_allocated_bytes") for key, row in found.items()}
+                 for code, found in rows.items()}
+    allocated["published (RTX 3090)"] = published
     if all(b in args.batch_sizes for b in SLOPE):
-        print(f"## Per sample, batch {low} -> {high} (peak allocated)\n")
-        print(markdown(slopes, 2))
+        print(f"## Per sample, batch {SLOPE[0]} -> {SLOPE[1]} (peak allocated)\n")
+        print(markdown([{"lm_max_length": length, **{f"{code} MiB": per_sample(mib, length)
+                                                     for code, mib in allocated.items()}}
+                        for length in args.lengths], 2))
 
 
 if __name__ == "__main__":
