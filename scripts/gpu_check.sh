@@ -18,9 +18,9 @@
 #   8. dist             every engine at world size 1 (+sweep=dist_world1: ddp, fsdp2 with and without CPU offload,
 #                       zero2, zero3 with and without offload; DeepSpeed's rows are skipped where it is not
 #                       installed) on cuda, then scripts/check_estimate.py --cuda-dir on it (dist_vs_estimate)
-#   9. nanovlm_code     nanoVLM's own model code (a checkout at VLMPROBE_NANOVLM_DIR, e.g. carried to the machine)
-#                       beside vlmprobe's implementation on the seq_len points, both measured on cuda
-#                       (scripts/check_nanovlm_code.py --backend cuda); skipped without a checkout
+#   9. nanovlm_code     nanoVLM's own model code (a checkout at VLMPROBE_NANOVLM_DIR, or .nanovlm/ in the repository
+#                       when it exists: one carried to the machine) beside vlmprobe's implementation on the seq_len
+#                       points, both measured on cuda (scripts/check_nanovlm_code.py --backend cuda); skipped without
 #  10. baseline         the first baseline of this device (results/baseline/<device>/<sweep>/) when none exists
 # Needs nothing but the installed project (pip install -e ".[test]") and a CUDA GPU; about 15 minutes on an H100.
 # In parts, where a command may run only so long (10 minutes through the device tool):
@@ -100,10 +100,11 @@ if wanted dist; then
   [ -n "$DIST" ] && step dist_vs_estimate python scripts/check_estimate.py --parts cuda --cuda-dir "$DIST"
 fi
 if wanted nanovlm_code; then
-  if [ -n "${VLMPROBE_NANOVLM_DIR:-}" ]; then
-    step nanovlm_code python scripts/check_nanovlm_code.py --nanovlm-dir "$VLMPROBE_NANOVLM_DIR" --backend cuda
+  NANOVLM=${VLMPROBE_NANOVLM_DIR:-$( [ -d .nanovlm ] && echo .nanovlm )}
+  if [ -n "$NANOVLM" ]; then
+    step nanovlm_code python scripts/check_nanovlm_code.py --nanovlm-dir "$NANOVLM" --backend cuda
   else
-    STATUS+=("| nanovlm_code | skipped: VLMPROBE_NANOVLM_DIR names no nanoVLM checkout | 0 s | |")
+    STATUS+=("| nanovlm_code | skipped: no nanoVLM checkout (VLMPROBE_NANOVLM_DIR, or .nanovlm/) | 0 s | |")
   fi
 fi
 
