@@ -182,13 +182,20 @@ def test_check_nanovlm_code_prints_both_codes_and_refuses_a_bad_dir_in_one_line(
 
 
 @pytest.mark.skipif(not os.environ.get("VLMPROBE_NANOVLM_DIR"), reason="VLMPROBE_NANOVLM_DIR names no nanoVLM checkout")
-def test_nanovlms_own_code_is_ours_to_the_byte():
+@pytest.mark.parametrize("knobs", [[], ["train.grad_ckpt.lm=true", "train.grad_ckpt.vision=true"],
+                                   ["train.freeze_vision=true"], ["train.lora_r=8"],
+                                   ["measure.alloc_conf=expandable_segments:True"], ["train.autocast_dtype=float16"]])
+def test_nanovlms_own_code_is_ours_to_the_byte(knobs):
     """nanoVLM's code (a checkout at 731d8c6) built from nanovlm_222m has its 222,083,328 parameters (FACTS), and
-    a point of the seq_len sweep estimated with it is the point estimated with ours, every figure to the byte."""
+    a point of the seq_len sweep estimated with it is the point estimated with ours, every figure to the byte,
+    with the knobs that change what is kept (checkpointing, a frozen tower, LoRA on the same named layers), the
+    allocator's rules or the autocast dtype."""
     source = f"model.source={os.environ['VLMPROBE_NANOVLM_DIR']}"
-    points = [plan_overrides(["+sweep=seq_len", "measure.backend=estimate", "device=rtx3090", *extra,
+    points = [plan_overrides(["+sweep=seq_len", "measure.backend=estimate", "device=rtx3090", *knobs, *extra,
                               "sweep.axes.data.batch_size=[2]", "sweep.axes.data.lm_max_length=[128]"])[0]
               for extra in ([], [source])]
-    assert [p.inputs["params"] for p in points] == [222_083_328] * 2
+    ours_params, their_params = (p.inputs["params"] for p in points)  # LoRA's adapters on the same layers
+    assert ours_params == their_params and (knobs or ours_params == 222_083_328)
     ours, theirs = (measure(p.config) for p in points)
+    assert ours["status"] == theirs["status"] == "ok"
     assert {k: theirs[k] for k in FIGURES} == {k: ours[k] for k in FIGURES}
