@@ -7,7 +7,7 @@ prints each point's peak allocated and reserved bytes, their difference, and the
 8 and 16 beside the published RTX 3090 figures (nanoVLM issue #103). A difference is the code's: everything else
 (step, optimizer, autocast, allocator, card) is the same program.
 
-    python scripts/check_nanovlm_code.py --nanovlm-dir DIR [--backend estimate|cuda] [--device PROFILE]
+    python scripts/check_nanovlm_code.py --nanovlm-dir DIR [--backend estimate|cpu|cuda] [--device PROFILE]
         [--lengths 128,512] [--batch-sizes 1,8,16,32] [--model nanovlm_222m]
 
 DIR is a checkout of huggingface/nanoVLM at the commit of issue #103 (git clone https://github.com/huggingface/nanoVLM
@@ -76,7 +76,8 @@ def markdown(rows: list[dict], digits: int) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--nanovlm-dir", required=True, metavar="DIR", help="a checkout of huggingface/nanoVLM")
-    parser.add_argument("--backend", default="estimate", choices=["estimate", "cuda"])
+    parser.add_argument("--backend", default="estimate", choices=["estimate", "cpu", "cuda"],
+                        help="cpu: real tensors on this machine's CPU (the same bookkeeping as the estimate; slow)")
     parser.add_argument("--device", default=None, choices=options("device"), metavar="PROFILE",
                         help="the card's profile (conf/device/); default rtx3090 for the estimate, none on cuda")
     parser.add_argument("--lengths", type=positive_ints, default="128,512", help="lm_max_length values")
