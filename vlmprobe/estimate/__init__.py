@@ -35,7 +35,7 @@ Modelling decisions (each one is what CUDA would do, applied on fake CPU tensors
   the rows' allocated, reserved and active figures are that model's.
 - Optimizer: the implementation CUDA picks by default (foreach for AdamW), see step.make_optimizer.
 - Autocast: CUDA's op lists (vlmprobe.estimate.autocast_policy) instead of the CPU's, so each activation has the
-  dtype it has on CUDA.
+  dtype it has on CUDA; an emulated op casts its tensors in the order torch's C++ wrappers do (last first).
 - Attention: torch's CPU SDPA kernel is a flash kernel that keeps output + logsumexp for backward, as
   CUDA's flash and memory-efficient kernels do (O(seq) state); where CUDA would fall back to the math
   kernel (e.g. fp32 with grouped KV heads), the math kernel runs here too (vlmprobe.estimate.sdpa_choice).
