@@ -25,7 +25,7 @@ from pathlib import Path
 import pandas as pd
 
 from vlmprobe.estimate import device_profile
-from vlmprobe.results import MiB, read_table
+from vlmprobe.results import MiB, read_table, superseded
 
 TINY_SETTINGS = {
     "fp32": ["train.autocast_dtype=null"],
@@ -136,8 +136,8 @@ def main() -> None:
                 print("## estimate vs cuda: UNVERIFIED (no GPU visible and no --cuda-dir given)\n")
             for directory in dirs:
                 print(f"## estimate vs cuda: {directory}\n")
-                if (Path(directory) / "SUPERSEDED.md").exists():  # a program the code no longer runs
-                    print(f"**{(Path(directory) / 'SUPERSEDED.md').read_text().strip()}**\n")
+                if note := superseded(Path(directory)):  # a program the code no longer runs
+                    print(f"**{note}**\n")
                 print(against(directory, tmp).to_markdown(index=False), "\n")
     print("MiB = 1024^2 bytes; rel_error_% = (estimate - reference) / reference; cuda / estimate: peak allocated "
           "(max_memory_allocated), reserved: peak reserved (max_memory_reserved).")

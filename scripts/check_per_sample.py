@@ -79,7 +79,7 @@ import pandas as pd
 from vlmprobe import backends, reference
 from vlmprobe.estimate import device_profile
 from vlmprobe.plan import plan_overrides
-from vlmprobe.results import MiB, read_results_dir
+from vlmprobe.results import MiB, gpu_check_runs, read_results_dir, superseded
 from vlmprobe.script_args import positive_ints
 from vlmprobe.worker import measure
 
@@ -200,11 +200,11 @@ def measured_runs(root: Path = REPO / "results" / "gpu_check") -> list[tuple[str
     both lengths at BATCHES: a measurement of the very step the estimate runs (not a run marked SUPERSEDED.md:
     it measured a program the code no longer runs)."""
     runs = []
-    for csv in sorted(root.glob("*/*/nightly/seq_len/*/results.csv")):
-        if (csv.parent / "SUPERSEDED.md").exists():
+    for run in gpu_check_runs(root, "seq_len"):
+        if superseded(run):
             continue
-        table = read_results_dir(csv.parent)
-        card = json.loads((csv.parent / "env.json").read_text())["device_name"]
+        table = read_results_dir(run)
+        card = json.loads((run / "env.json").read_text())["device_name"]
         table = table[(table["backend"] == "cuda") & (table["status"] == "ok")]
         peaks = {(int(r.batch_size), int(r.lm_max_length)): {"allocated": int(r.peak_allocated_bytes)}
                  for r in table.itertuples()}

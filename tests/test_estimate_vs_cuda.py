@@ -8,20 +8,21 @@ measurement of what the estimate runs today, and is skipped with that reason."""
 import pytest
 
 from conftest import REPO, load_script
+from vlmprobe.results import gpu_check_runs, superseded
 
-CUDA_RUNS = sorted(p.parent for p in (REPO / "results" / "gpu_check").glob("*/*/nightly/*/*/results.csv"))
+CUDA_RUNS = gpu_check_runs(REPO / "results" / "gpu_check")
 TOLERANCE = 0.5  # percent
 
 
 def test_there_are_cuda_measurements_to_judge_the_estimate_by():
-    assert [run for run in CUDA_RUNS if not (run / "SUPERSEDED.md").exists()], \
+    assert [run for run in CUDA_RUNS if not superseded(run)], \
         "no results/gpu_check/<card>/<stamp>/nightly/<sweep>/<stamp>/results.csv of a program the code runs today"
 
 
 @pytest.mark.parametrize("run", CUDA_RUNS, ids=lambda p: f"{p.parents[3].name}/{p.parent.name}")
 def test_the_estimate_for_the_card_is_within_half_a_percent_of_every_measured_peak(run, tmp_path):
-    if (run / "SUPERSEDED.md").exists():
-        pytest.skip((run / "SUPERSEDED.md").read_text().split(". ")[0])
+    if note := superseded(run):
+        pytest.skip(note.split(". ")[0])
     table = load_script("check_estimate").against(run, tmp_path)
     assert len(table) and (table["status_cuda"] == table["status_estimate"]).all()
     assert table["rel_error_%"].abs().max() <= TOLERANCE, table.to_string()

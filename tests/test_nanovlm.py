@@ -107,3 +107,14 @@ def test_building_without_init_calls_no_torch_init_function_and_restores_them(sp
     assert {name: getattr(nn.init, name) for name in recorders} == recorders
     nn.Linear(2, 2, device="meta")  # outside it, torch initialises as usual
     assert calls == ["kaiming_uniform_", "uniform_"]
+
+
+@pytest.mark.parametrize("value", ["abc", 0, -8, True])
+def test_a_bad_max_position_embeddings_is_refused_in_one_line_before_any_point_runs(value):
+    """Read only in the forward (where RoPE's frequencies stretch past it): without the check a bad value
+    surfaced as every point's error row."""
+    from vlmprobe.plan import plan_overrides
+
+    with pytest.raises(ConfigError, match=rf"^model.text.max_position_embeddings={value!r} is not allowed: give "
+                                          rf"the positions RoPE covers, a positive integer"):
+        plan_overrides(["+sweep=smoke", "model=nanovlm_tiny", f"model.text.max_position_embeddings={value}"])

@@ -167,12 +167,9 @@ def test_what_nanovlms_code_cannot_run_is_refused_with_a_source(checkout, overri
         run("estimate", f"model.source={checkout}", override)
 
 
-def test_check_nanovlm_code_prints_both_codes_and_refuses_a_bad_dir_in_one_line(checkout, tmp_path):
+def test_check_nanovlm_code_prints_both_codes_and_their_difference(checkout):
+    """(Its bad values: tests/test_scripts.py.)"""
     script = [sys.executable, str(REPO / "scripts" / "check_nanovlm_code.py")]
-    proc = subprocess.run([*script, "--nanovlm-dir", str(tmp_path / "none")], capture_output=True, text=True)
-    assert proc.returncode == 2 and "Traceback" not in proc.stderr
-    (error,) = [line for line in proc.stderr.splitlines() if "error:" in line]
-    assert "is not allowed: give a checkout of huggingface/nanoVLM" in error
     proc = subprocess.run([*script, "--nanovlm-dir", str(checkout), "--model", "nanovlm_tiny", "--lengths", "64",
                            "--batch-sizes", "8,16"], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr

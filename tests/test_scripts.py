@@ -4,6 +4,7 @@ Each is loaded as a module (its imports run, its main does not); the shell scrip
 
 import os
 import subprocess
+import sys
 
 import pytest
 
@@ -32,3 +33,29 @@ def test_the_gpu_check_refuses_a_part_it_does_not_have_in_one_line_before_lookin
     assert proc.stderr.strip().splitlines() == [
         "gpu_check: VLMPROBE_GPU_CHECK_ONLY names 'allocater': give some of: cuda_tests nightly recording_cost "
         "allocator grpo dist nanovlm_code"]
+
+
+@pytest.mark.parametrize("script, args, line", [
+    ("check_one_process", ["--lengths", "abc"],
+     "argument --lengths: 'abc' is not allowed: give positive integers, comma-separated"),
+    ("check_one_process", ["--batch-sizes", "0,8"],
+     "argument --batch-sizes: '0,8' is not allowed: give positive integers, comma-separated"),
+    ("check_one_process", ["--device", "none"], "argument --device: invalid choice: 'none'"),
+    ("check_one_process", ["--lengths", "10"], "data.lm_max_length=10 is too short for nanovlm_222m"),
+    ("check_per_sample", ["--lengths", "abc"],
+     "argument --lengths: 'abc' is not allowed: give positive integers, comma-separated"),
+    ("check_nanovlm_code", ["--nanovlm-dir", "/no/such/dir"],
+     "model.source='/no/such/dir' is not allowed: give a checkout of huggingface/nanoVLM"),
+    ("check_nanovlm_code", ["--nanovlm-dir", "x", "--batch-sizes", "8,-1"],
+     "argument --batch-sizes: '8,-1' is not allowed: give positive integers, comma-separated"),
+    ("check_nanovlm_code", ["--nanovlm-dir", "x", "--backend", "gpu"], "argument --backend: invalid choice: 'gpu'"),
+    ("check_nanovlm_code", ["--nanovlm-dir", "x", "--model", "qwen2_vl_2b"],
+     "argument --model: invalid choice: 'qwen2_vl_2b'"),
+    ("check_nanovlm_code", [], "the following arguments are required: --nanovlm-dir"),
+])
+def test_a_scripts_bad_value_is_one_line_and_exit_2_before_any_point_runs(script, args, line):
+    proc = subprocess.run([sys.executable, str(REPO / "scripts" / f"{script}.py"), *args], capture_output=True,
+                          text=True)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    (error,) = [text for text in proc.stderr.splitlines() if "error:" in text]
+    assert line in error

@@ -126,6 +126,21 @@ def read_results_dir(out_dir: Path) -> pd.DataFrame:
         raise ValueError(f"{csv} could not be read: {exc}") from None
 
 
+def gpu_check_runs(root: Path, sweep: str = "*") -> list[Path]:
+    """The results dirs scripts/gpu_check.sh's nightly part measured under `root` (results/gpu_check/:
+    <card>/<stamp>/nightly/<sweep>/<stamp>/), of `sweep` or of every sweep, oldest first per card."""
+    return sorted(csv.parent for csv in Path(root).glob(f"*/*/nightly/{sweep}/*/results.csv"))
+
+
+SUPERSEDED = "SUPERSEDED.md"  # in a results dir: it measured a program the code no longer runs, and says what changed
+
+
+def superseded(out_dir: Path) -> str | None:
+    """The SUPERSEDED.md note of a results dir, or None where the code still runs the program it measured."""
+    note = Path(out_dir) / SUPERSEDED
+    return note.read_text().strip() if note.exists() else None
+
+
 def mib(value) -> str:
     return "" if pd.isna(value) else f"{value / MiB:,.1f}"
 

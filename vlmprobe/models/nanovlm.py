@@ -303,6 +303,10 @@ class NanoVLMSpec(ModelSpec):
         if attn_implementation not in ATTENTION:
             raise ConfigError(f"model.attn_implementation={attn_implementation!r} is not allowed for nanoVLM: "
                               f"use one of {', '.join(ATTENTION)}")
+        positions = text.get("max_position_embeddings")
+        if not isinstance(positions, int) or isinstance(positions, bool) or positions <= 0:
+            raise ConfigError(f"model.text.max_position_embeddings={positions!r} is not allowed: give the positions "
+                              f"RoPE covers, a positive integer (8192 for SmolLM2)")
         self.source = None if source is None else nanovlm_source.checked_source(source)
         if self.source is not None and attn_implementation != "sdpa":
             raise ConfigError(f"model.attn_implementation={attn_implementation!r} is not allowed with model.source: "
