@@ -52,7 +52,7 @@ BAD_INPUT = {
                                "data.image_size=3 is not allowed for qwen2_vl_2b: a side must be at least 28 px"),
     "LoRA alpha peft cannot use": (["model=nanovlm_tiny", "train.lora_r=4", "train.lora_alpha=x"],
                                    "train.lora_alpha='x', train.lora_dropout=0.0, train.lora_target_modules=['q_proj', "
-                                   "'k_proj', 'v_proj', 'o_proj'] is not allowed: peft"),
+                                   "'k_proj', 'v_proj', 'o_proj', 'out_proj'] is not allowed: peft"),
     "model hyperparameter its constructor refuses": (["model=nanovlm_tiny", "model.text.hidden_size=-8"],
                                                      "model=nanovlm_tiny with its settings is not allowed: NanoVLMSpec"),
     "an axis value that is not a group option": (["+sweep=smoke", "+sweep.axes.model=[nanovlm_tiny,nope]"],

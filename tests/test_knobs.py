@@ -65,6 +65,15 @@ def test_lora_trains_adapters_on_the_lm_and_leaves_the_vision_tower_trainable(ru
     assert lora["grads_bytes"] == 4 * inputs["trainable_params"]
 
 
+def test_default_lora_targets_adapt_all_four_attention_projections_of_nanovlms_lm(run, tower_params):
+    # nanoVLM names the output projection out_proj, transformers' LMs o_proj: the default names both
+    inputs, _ = run("train.lora_r=4")
+    # tiny LM: 2 layers, hidden 32; q and out_proj 32 -> 32, k and v 32 -> 16 (2 kv heads x 8); r (in + out) each
+    adapters = 2 * 4 * ((32 + 32) + 2 * (32 + 16) + (32 + 32))
+    projector = tower_params["all"] - tower_params["vision"] - tower_params["lm"]
+    assert inputs["trainable_params"] == tower_params["vision"] + projector + adapters
+
+
 @pytest.mark.parametrize("option,label,moments", [
     ("adamw", "AdamW(foreach)", 2), ("adamw_fused", "AdamW(fused)", 2),
     ("adamw_single_tensor", "AdamW(single_tensor)", 2), ("sgd_momentum", "SGD(foreach)", 1),
