@@ -16,7 +16,7 @@ DIR is a checkout of huggingface/nanoVLM at the commit of issue #103 (git clone 
 checked against the card's name). On CUDA each point runs in a fresh worker process, as in a sweep.
 
 What was found (2026-11-25, backend estimate, device=rtx3090, no GPU; nanoVLM at 731d8c6): see the README
-("bytes per sample").
+("The estimate against the finding").
 """
 
 from __future__ import annotations

@@ -58,9 +58,9 @@ cudaMallocAsync: see vlmprobe.estimate.allocator; its block rounding is exact fo
 sequence, not for CUDA's), and kernel-internal workspaces that differ between CUDA and CPU kernels (attention
 backward, reductions, embedding backward). Per sample, the estimate charges exactly the saved-tensor families
 that scripts/check_per_sample.py counts by hand (tests/test_per_sample.py, to the byte); on nanoVLM issue #103
-CUDA held ~10 MiB (length 128) and ~37 MiB (512) a sample beyond them, which no saved tensor in PyTorch's CUDA
-kernels we read accounts for, and which an H100 run of the same step does not hold either (README, "The missing
-bytes per sample"). With a target card (device=), its profile adds the CUDA context to the allocator model's peak
+the published run held ~10 MiB (length 128) and ~44 MiB (512) a sample beyond them, which no saved tensor in
+PyTorch's CUDA kernels we read accounts for, and which an H100 run of the same step does not hold either (README,
+"The bytes per sample"). With a target card (device=), its profile adds the CUDA context to the allocator model's peak
 reserved as predicted_device_bytes (vlmprobe.estimate.device_profile), and its capacity, dtypes, SDPA kernels and
 cuBLAS workspaces apply.
 """
