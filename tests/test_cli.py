@@ -64,6 +64,20 @@ def test_resume_recomputes_no_finished_point(tmp_path):
     assert kept.tolist() == first["step_time_s"][:2].tolist()  # the kept rows were not recomputed
 
 
+def test_resuming_a_dir_an_older_version_wrote_keeps_its_rows_and_adds_the_columns_it_lacked(tmp_path):
+    assert run_cli(["+sweep=smoke", ESTIMATE, f"results_dir={tmp_path}"], cwd=tmp_path).returncode == 0
+    out = results_dir(tmp_path)
+    first = pd.read_csv(out / "results.csv")
+    older = first.drop(columns=["model_source"]).iloc[:2]  # a version that wrote no model_source column
+    older.to_csv(out / "results.csv", index=False)
+    proc = run_cli(["+sweep=smoke", ESTIMATE, f"resume={out}"], cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    table = pd.read_csv(out / "results.csv")
+    assert list(table.columns) == [*older.columns, "model_source"] and len(table) == 4
+    assert table.iloc[:2].drop(columns=["model_source"]).equals(older)  # the older rows, value for value
+    assert table["model_source"].isna().all()
+
+
 def test_resume_refuses_a_dir_of_another_config(tmp_path):
     assert run_cli(["+sweep=smoke", ESTIMATE, f"results_dir={tmp_path}"], cwd=tmp_path).returncode == 0
     out = results_dir(tmp_path)

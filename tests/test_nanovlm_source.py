@@ -124,6 +124,7 @@ def test_a_checkouts_code_with_nanovlms_api_runs_the_point_ours_runs_to_the_byte
     theirs_planned, theirs = run(backend, f"model.source={checkout}")
     assert ours["status"] == theirs["status"] == "ok"
     assert ours_planned.inputs["params"] == theirs_planned.inputs["params"]
+    assert (ours_planned.inputs["model_source"], theirs_planned.inputs["model_source"]) == (None, str(checkout.resolve()))
     assert {k: theirs[k] for k in FIGURES} == {k: ours[k] for k in FIGURES}
     assert "data" not in sys.modules or not hasattr(sys.modules["data"], "processors")  # the stand-in is gone
 

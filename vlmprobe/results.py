@@ -13,7 +13,7 @@ from pathlib import Path
 import pandas as pd
 
 INPUT_COLUMNS = [
-    "sweep", "point_id", "case", "model", "params", "trainable_params", "dtype", "autocast_dtype", "optimizer",
+    "sweep", "point_id", "case", "model", "model_source", "params", "trainable_params", "dtype", "autocast_dtype", "optimizer",
     "batch_size", "grad_accum_steps", "effective_batch_size", "lm_max_length", "image_size", "images_per_sample",
     "max_pixels", "image_tokens", "grad_ckpt_lm", "grad_ckpt_vision", "freeze_vision", "freeze_lm", "lora_r", "quantization",
     "dist", "world_size", "device",
@@ -73,7 +73,8 @@ def value_text(value, missing: str) -> str:
 
 class RowWriter:
     """Appends one CSV row per finished point and flushes it to disk at once, so a sweep killed at any
-    moment keeps every row it finished. On resume it keeps the existing header."""
+    moment keeps every row it finished. On resume it keeps the existing header, extended by any column this
+    version writes that the file's older version did not (its rows get them empty)."""
 
     def __init__(self, path: Path, columns: list[str]):
         self.path = path
@@ -81,7 +82,11 @@ class RowWriter:
             drop_cut_line(path)  # a kill mid-header leaves nothing: the header is written again below
         if path.exists() and path.stat().st_size:
             with path.open(newline="") as f:
-                columns = next(csv.reader(f))
+                existing = next(csv.reader(f))
+            added = [c for c in columns if c not in existing]
+            columns = existing + added
+            if added:
+                widen(path, columns)
         else:
             with path.open("w", newline="") as f:
                 csv.writer(f).writerow(columns)
@@ -95,6 +100,21 @@ class RowWriter:
             csv.DictWriter(f, self.columns).writerow(row)
             f.flush()
             os.fsync(f.fileno())
+
+
+def widen(path: Path, columns: list[str]) -> None:
+    """Rewrite the CSV at `path` under the header `columns` (its own header plus new ones at the end), every
+    row kept; written beside it and renamed over it, so a kill midway leaves the old file whole."""
+    with path.open(newline="") as f:
+        rows = list(csv.DictReader(f))
+    partial = path.with_name(path.name + ".widening")
+    with partial.open("w", newline="") as f:
+        writer = csv.DictWriter(f, columns)
+        writer.writeheader()
+        writer.writerows(rows)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(partial, path)
 
 
 def drop_cut_line(path: Path) -> None:
