@@ -208,6 +208,8 @@ def test_a_grid_above_max_points_is_refused_with_its_size_and_time(cli, tmp_path
     assert not (tmp_path / "r").exists()
     code, lines = cli(["+sweep=smoke", "sweep.max_points=4", "dry_run=true"])  # at the limit: allowed
     assert code == 0 and lines[-1].startswith("vlmprobe: dry run: 4 points planned and valid")
+    code, lines = cli(["model=nanovlm_tiny", "dry_run=true"])  # a single point: one, not "1 points"
+    assert code == 0 and lines[-1].startswith("vlmprobe: dry run: 1 point planned and valid")
 
 
 def test_an_internal_error_is_one_line_and_a_log_with_the_traceback(cli, monkeypatch):

@@ -61,7 +61,7 @@ def run_planned(base: dict, backend: str, note: str | None, overrides: list[str]
     planned = search.planned if search else plan(compose, overrides, base)
     if note:
         say(note)
-    what = f"{len(planned)} configurations to bisect" if search else f"{len(planned)} points"
+    what = counted(len(planned), "configuration to bisect" if search else "point")
     if base["dry_run"]:
         say(f"vlmprobe: dry run: {what} planned and valid, backend {backend}; nothing run, nothing written")
         return 0
@@ -111,7 +111,7 @@ def run_planned(base: dict, backend: str, note: str | None, overrides: list[str]
     if interrupted:
         raise interrupted
     written = ", ".join(n for n in ("results.csv", "results.parquet", "summary.md", "plot.png") if (out_dir / n).exists())
-    say(f"vlmprobe: wrote {out_dir}: {written} ({len(table)} rows)")
+    say(f"vlmprobe: wrote {out_dir}: {written} ({counted(len(table), 'row')})")
     failed = [s for s in runner.statuses if s not in ("ok", "oom", "skipped")]
     return 1 if runner.statuses and len(failed) == len(runner.statuses) else 0
 
@@ -168,6 +168,12 @@ def check_size(compose, overrides: list[str], base: dict, count: int) -> None:
     took = time.perf_counter() - start
     raise ConfigError(f"{what}: raise it (sweep.max_points={count}) to run them; one point took {took:.1f} s "
                       f"here, so all would take about {duration(took * count)}")
+
+
+def counted(n: int, noun: str) -> str:
+    """'1 point', '8 points', '1 configuration to bisect' (the noun's first word takes the plural)."""
+    first, _, rest = noun.partition(" ")
+    return f"{n:,} {first if n == 1 else first + 's'}{' ' + rest if rest else ''}"
 
 
 def duration(seconds: float) -> str:
