@@ -22,13 +22,14 @@ FAMILIES = {  # tiny config -> data that fits it (the images take 16 tokens in e
     "gemma3_tiny": ["data.batch_size=2", "data.lm_max_length=48"],
     "mllama_tiny": ["data.batch_size=2", "data.lm_max_length=48"],
     "internvl_tiny": ["data.batch_size=2", "data.lm_max_length=48", "data.image_size=112"],  # 2 x 2 tiles + thumbnail
+    "paligemma_tiny": ["data.batch_size=2", "data.lm_max_length=48"],
 }
 # the projector of each family where it is a module of its own (Qwen's merger, and Qwen3-VL's DeepStack
 # projectors, live inside its vision tower, frozen with it)
 PROJECTORS = {"qwen2_5_vl_tiny": set(), "qwen3_vl_tiny": set(), "llava_tiny": {"multi_modal_projector"},
               "llava_next_tiny": {"multi_modal_projector", "image_newline"}, "idefics3_tiny": {"connector"},
               "gemma3_tiny": {"multi_modal_projector"}, "mllama_tiny": {"multi_modal_projector"},
-              "internvl_tiny": {"multi_modal_projector"}}
+              "internvl_tiny": {"multi_modal_projector"}, "paligemma_tiny": {"multi_modal_projector"}}
 BYTE_COLUMNS = ("peak_allocated_bytes", "last_step_peak_allocated_bytes", "forward_peak_bytes", "backward_peak_bytes",
                 "optimizer_peak_bytes", "after_load_bytes", "activations_bytes", "grads_bytes", "optimizer_state_bytes",
                 "params_bytes")

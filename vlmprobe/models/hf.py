@@ -28,6 +28,7 @@ def families() -> dict:
     from vlmprobe.models.llava import LlavaSpec
     from vlmprobe.models.llava_next import LlavaNextSpec
     from vlmprobe.models.mllama import MllamaSpec
+    from vlmprobe.models.paligemma import PaliGemmaSpec
     from vlmprobe.models.qwen2_5_vl import Qwen2_5_VLSpec
     from vlmprobe.models.qwen2_vl import Qwen2VLSpec
     from vlmprobe.models.qwen3_vl import Qwen3VLSpec
@@ -35,7 +36,7 @@ def families() -> dict:
     return {"qwen2_vl": Qwen2VLSpec, "qwen2_5_vl": Qwen2_5_VLSpec, "qwen3_vl": Qwen3VLSpec, "llava": LlavaSpec,
             "llava_next": LlavaNextSpec, "idefics3": Idefics3Spec,
             "smolvlm": SmolVLMSpec, "gemma3": Gemma3Spec,
-            "mllama": MllamaSpec, "internvl": InternVLSpec}
+            "mllama": MllamaSpec, "internvl": InternVLSpec, "paligemma": PaliGemmaSpec}
 
 
 def spec_from_config(config: str | None, name: str | None = None, attn_implementation: str = "sdpa") -> ModelSpec:

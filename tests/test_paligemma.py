@@ -1,0 +1,100 @@
+"""PaliGemma 2: exact sizes from the config, the processor's image arithmetic against the real image processor and
+the model's own image features, the prefix / suffix split PaliGemmaProcessor makes, and what the model cannot run
+refused. (Estimate vs cpu and the knobs: test_families.py.)"""
+
+import pytest
+import torch
+
+from hand_counts import siglip_params
+from vlmprobe.errors import ConfigError
+from vlmprobe.models.base import IGNORE_INDEX, DataShape, count_params
+
+CPU = torch.device("cpu")
+
+
+@pytest.fixture
+def spec(compose):
+    from hydra.utils import instantiate
+
+    return lambda name, *extra: instantiate(compose([f"model={name}", *extra]).model, _convert_="all")
+
+
+def gemma2_lm_params(t: dict) -> int:
+    """Hand count of the Gemma 2 LM without its (tied) head: embedding, per layer q/k/v/o without bias, a gated
+    MLP without bias and four RMSNorms (before and after the attention and the MLP), the final norm."""
+    d, f, head = t["hidden_size"], t["intermediate_size"], t["head_dim"]
+    q, kv = t["num_attention_heads"] * head, t["num_key_value_heads"] * head
+    layer = 2 * d * q + 2 * d * kv + 3 * d * f + 4 * d
+    return t["vocab_size"] * d + t["num_hidden_layers"] * layer + d
+
+
+def test_paligemma2_3b_224_on_meta_has_the_published_parameter_count(spec):
+    # 3,032,242,416: the hand count of its parts below; the Hub's safetensors count of google/paligemma2-3b-pt-224
+    # is "3.03B" (recalled, no hub access here)
+    pali = spec("paligemma2_3b_224")
+    model = pali.build("meta", torch.bfloat16, init=False)
+    assert count_params(model) == (3_032_242_416, 3_032_242_416)
+    assert count_params(model.model.vision_tower)[0] == siglip_params(pali.vision) == 412_442_352
+    assert count_params(model.model.language_model)[0] == gemma2_lm_params(pali.text) == 2_617_143_552
+    d_v, d = pali.vision["hidden_size"], pali.text["hidden_size"]
+    assert count_params(model.model.multi_modal_projector)[0] == d_v * d + d  # one Linear with bias
+    assert model.lm_head.weight is model.model.language_model.embed_tokens.weight  # tied: counted once
+
+
+def test_pixel_values_have_the_shape_the_real_image_processor_gives(spec):
+    np = pytest.importorskip("numpy")
+    image = pytest.importorskip("PIL.Image")
+    from transformers import SiglipImageProcessorPil
+
+    # google/paligemma2-3b-pt-224's preprocessor: SiglipImageProcessor resizing to 224 x 224, whatever the input
+    processor = SiglipImageProcessorPil(size={"height": 224, "width": 224})
+    real = processor(images=[image.fromarray(np.zeros((500, 300, 3), dtype=np.uint8))] * 2, return_tensors="pt")
+    tiny = spec("paligemma_tiny", "model.vision.image_size=224", "model.vision.patch_size=56")  # the 3B's geometry
+    ours = tiny.batch(DataShape(batch_size=2, lm_max_length=64), CPU)
+    assert ours["pixel_values"].shape == real["pixel_values"].shape == (2, 3, 224, 224)
+    assert ours["pixel_values"].dtype == real["pixel_values"].dtype
+
+
+def test_image_tokens_are_what_the_models_image_features_have(spec):
+    tiny = spec("paligemma_tiny")
+    model = tiny.build("cpu", torch.float32)
+    with torch.no_grad():
+        features = model.model.get_image_features(torch.randn(2, 3, 32, 32)).pooler_output
+    assert features.shape[:2] == (2, tiny.image_tokens(DataShape(1, 48))) == (2, 16)
+    assert spec("paligemma2_3b_224").image_tokens(DataShape(1, 2048, images_per_sample=2)) == 2 * (224 // 14) ** 2
+
+
+def test_the_prefix_attends_both_ways_and_only_the_suffix_is_learned(spec):
+    """PaliGemmaProcessor's layout: <image> x tokens per image, <bos>, the prompt, "\\n" (token type 0), then the
+    suffix (type 1); its labels are the ids with -100 wherever the token type is 0."""
+    tiny = spec("paligemma_tiny")
+    batch = tiny.batch(DataShape(batch_size=3, lm_max_length=64, images_per_sample=2), CPU)
+    ids, labels, types = batch["input_ids"], batch["labels"], batch["token_type_ids"]
+    assert ids.shape == labels.shape == types.shape == (3, 64)
+    prefix = 2 * 16 + 2
+    assert (ids[:, :32] == tiny.image_token_id).all() and (ids[:, 32] == 2).all()
+    assert (types[:, :prefix] == 0).all() and (types[:, prefix:] == 1).all()
+    assert torch.equal(labels, ids.masked_fill(types == 0, IGNORE_INDEX))
+    assert (ids[:, prefix:] < tiny.image_token_id).all() and batch["pixel_values"].shape == (6, 3, 32, 32)
+
+
+@pytest.mark.parametrize("size", [1, 448, 896])
+def test_an_image_size_the_processor_would_resize_to_224_is_refused(plan_points, size):
+    with pytest.raises(ConfigError, match=rf"data.image_size={size} is not allowed for paligemma2_3b_224: "
+                                          rf"PaliGemmaProcessor resizes every image to 224 x 224 px"):
+        plan_points(["model=paligemma2_3b_224", f"data.image_size={size}"])
+    (point,) = plan_points(["model=paligemma2_3b_224", "data.image_size=null", "data.lm_max_length=512"])
+    assert point.inputs["image_size"] == 224 and point.inputs["image_tokens"] == 256
+
+
+def test_a_sequence_too_short_for_the_image_tokens_is_refused(plan_points):
+    with pytest.raises(ConfigError, match=r"data.lm_max_length=258 is too short for paligemma2_3b_224: the images take "
+                                          r"256 tokens plus <bos> and the prefix's newline, so it must be at least 259"):
+        plan_points(["model=paligemma2_3b_224", "data.lm_max_length=258"])
+
+
+@pytest.mark.parametrize("attention", ["sdpa", "flash_attention_2"])
+def test_attention_other_than_eager_is_refused_with_the_reason(plan_points, attention):
+    with pytest.raises(ConfigError, match=rf"model.attn_implementation='{attention}' is not allowed for "
+                                          rf"paligemma2_3b_224: transformers gives Gemma 2's attention no SDPA path"):
+        plan_points(["model=paligemma2_3b_224", f"model.attn_implementation={attention}"])
