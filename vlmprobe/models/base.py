@@ -72,6 +72,16 @@ class ModelSpec(abc.ABC):
 
     size_decides_tokens = False  # the too-short line names the image size (the family's tokens follow it)
 
+    def native_size_only(self, data: DataShape, resizes: str, why: str) -> None:
+        """ConfigError (one line) unless the point asks for the size the family's processor gives every image
+        (`resizes`: who does it and how; `why`: what makes that the only size): any other would be a point whose
+        memory is that of the native size."""
+        size, native = self.image_size(data), self.native_image_size
+        if size != native:
+            raise ConfigError(f"data.image_size={size} is not allowed for {self.name}: {resizes} every image to "
+                              f"{native} x {native} px ({why}), so the model's memory is that of {native} px; use "
+                              f"{native} or null")
+
     def prompt_framing(self, data: DataShape) -> tuple[int, str]:
         """Tokens the processor writes into the prompt beside the image tokens (markers, <bos>), and how the
         too-short line names them."""

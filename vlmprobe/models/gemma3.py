@@ -26,7 +26,6 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from vlmprobe.errors import ConfigError
 from vlmprobe.models.base import DataShape, ModelSpec, hyperparameters, prompt_then_text
 from vlmprobe.models.fake_constants import constant_tensor, hold_constant_limit, release_with
 
@@ -64,13 +63,8 @@ class Gemma3Spec(ModelSpec):
 
     # -- image geometry -------------------------------------------------------------------------------
     def image_tokens(self, data: DataShape) -> int:
-        size = self.image_size(data)
-        if size != self.native_image_size:
-            raise ConfigError(
-                f"data.image_size={size} is not allowed for {self.name}: Gemma3ImageProcessor resizes every image to "
-                f"{self.native_image_size} x {self.native_image_size} px (pan-and-scan, off by default, crops only "
-                f"images longer than wide), so the model's memory is that of {self.native_image_size} px; use "
-                f"{self.native_image_size} or null")
+        self.native_size_only(data, "Gemma3ImageProcessor resizes",
+                              "pan-and-scan, off by default, crops only images longer than wide")
         return data.images_per_sample * self.mm_tokens_per_image
 
     def _image_text(self) -> list[int]:

@@ -97,13 +97,8 @@ class LlavaSpec(ModelSpec):
         return patches + CLASS_TOKENS[self.vision["model_type"]] - (self.vision_feature_select_strategy == "default")
 
     def image_tokens(self, data: DataShape) -> int:
-        size = self.image_size(data)
-        if size != self.native_image_size:
-            raise ConfigError(
-                f"data.image_size={size} is not allowed for {self.name}: its processor resizes and center-crops "
-                f"every image to {self.native_image_size} x {self.native_image_size} px (the tower's position "
-                f"embeddings cover that size only), so the model's memory is that of {self.native_image_size} px; "
-                f"use {self.native_image_size} or null")
+        self.native_size_only(data, "its processor resizes and center-crops",
+                              "the tower's position embeddings cover that size only")
         return data.images_per_sample * self.tokens_per_image()
 
     def prompt_framing(self, data: DataShape) -> tuple[int, str]:

@@ -69,13 +69,8 @@ class PaliGemmaSpec(ModelSpec):
         return (self.native_image_size // self.vision["patch_size"]) ** 2
 
     def image_tokens(self, data: DataShape) -> int:
-        size = self.image_size(data)
-        if size != self.native_image_size:
-            raise ConfigError(
-                f"data.image_size={size} is not allowed for {self.name}: PaliGemmaProcessor resizes every image to "
-                f"{self.native_image_size} x {self.native_image_size} px (the checkpoint's size), so the model's "
-                f"memory is that of {self.native_image_size} px; use {self.native_image_size} or null (or a "
-                f"checkpoint of another size)")
+        self.native_size_only(data, "PaliGemmaProcessor resizes",
+                              "the checkpoint's size: another is another checkpoint")
         return data.images_per_sample * self.tokens_per_image()
 
     def prompt_framing(self, data: DataShape) -> tuple[int, str]:
