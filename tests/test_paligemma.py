@@ -41,6 +41,13 @@ def test_paligemma2_3b_224_on_meta_has_the_published_parameter_count(spec):
     assert model.lm_head.weight is model.model.language_model.embed_tokens.weight  # tied: counted once
 
 
+def test_paligemma2_3b_448_is_the_224_px_model_with_the_448_px_towers_position_embeddings(spec):
+    at_224, at_448 = (spec(name).build("meta", torch.bfloat16, init=False)
+                      for name in ("paligemma2_3b_224", "paligemma2_3b_448"))
+    assert count_params(at_448)[0] == 3_033_127_152 == count_params(at_224)[0] + (32**2 - 16**2) * 1152
+    assert spec("paligemma2_3b_448").image_tokens(DataShape(1, 2048)) == 1024
+
+
 def test_pixel_values_have_the_shape_the_real_image_processor_gives(spec):
     np = pytest.importorskip("numpy")
     image = pytest.importorskip("PIL.Image")
