@@ -5,7 +5,7 @@ refused. (Estimate vs cpu and the knobs: test_families.py.)"""
 import pytest
 import torch
 
-from hand_counts import siglip_params
+from hand_counts import llama_params, siglip_params
 from vlmprobe.errors import ConfigError
 from vlmprobe.models.base import IGNORE_INDEX, DataShape, count_params
 
@@ -39,6 +39,17 @@ def test_paligemma2_3b_224_on_meta_has_the_published_parameter_count(spec):
     d_v, d = pali.vision["hidden_size"], pali.text["hidden_size"]
     assert count_params(model.model.multi_modal_projector)[0] == d_v * d + d  # one Linear with bias
     assert model.lm_head.weight is model.model.language_model.embed_tokens.weight  # tied: counted once
+
+
+def test_paligemma_3b_224_on_meta_has_the_published_parameter_count(spec):
+    # 2,923,466,480: the hand count of its parts below (Gemma 1's layers have Llama's shape: two RMSNorms, gated MLP);
+    # the Hub's safetensors count of google/paligemma-3b-pt-224 is "2.92B" (recalled, no hub access here)
+    pali = spec("paligemma_3b_224")
+    model = pali.build("meta", torch.float32, init=False)
+    assert count_params(model) == (2_923_466_480, 2_923_466_480)
+    assert count_params(model.model.vision_tower)[0] == siglip_params(pali.vision) == 412_442_352
+    assert count_params(model.model.language_model)[0] == llama_params(pali.text) == 2_508_662_784
+    assert model.config.text_config._attn_implementation == "sdpa"  # Gemma 1 has an SDPA path
 
 
 def test_paligemma2_3b_448_is_the_224_px_model_with_the_448_px_towers_position_embeddings(spec):
