@@ -28,28 +28,22 @@ def gemma2_lm_params(t: dict) -> int:
     return t["vocab_size"] * d + t["num_hidden_layers"] * layer + d
 
 
-def test_paligemma2_3b_224_on_meta_has_the_published_parameter_count(spec):
-    # 3,032,242,416: the hand count of its parts below; the Hub's safetensors count of google/paligemma2-3b-pt-224
-    # is "3.03B" (recalled, no hub access here)
-    pali = spec("paligemma2_3b_224")
+# the Hub's safetensors counts, "2.92B" and "3.03B" (recalled, no hub access here), equal to the hand counts below;
+# Gemma 1's layers have Llama's shape (two RMSNorms, a gated MLP), Gemma 2's four RMSNorms
+@pytest.mark.parametrize("name,params,lm_params,hand_count,attention", [
+    ("paligemma_3b_224", 2_923_466_480, 2_508_662_784, llama_params, "sdpa"),
+    ("paligemma2_3b_224", 3_032_242_416, 2_617_143_552, gemma2_lm_params, "eager"),
+])
+def test_paligemma_on_meta_has_the_published_parameter_count(spec, name, params, lm_params, hand_count, attention):
+    pali = spec(name)
     model = pali.build("meta", torch.bfloat16, init=False)
-    assert count_params(model) == (3_032_242_416, 3_032_242_416)
+    assert count_params(model) == (params, params)
     assert count_params(model.model.vision_tower)[0] == siglip_params(pali.vision) == 412_442_352
-    assert count_params(model.model.language_model)[0] == gemma2_lm_params(pali.text) == 2_617_143_552
+    assert count_params(model.model.language_model)[0] == hand_count(pali.text) == lm_params
     d_v, d = pali.vision["hidden_size"], pali.text["hidden_size"]
     assert count_params(model.model.multi_modal_projector)[0] == d_v * d + d  # one Linear with bias
     assert model.lm_head.weight is model.model.language_model.embed_tokens.weight  # tied: counted once
-
-
-def test_paligemma_3b_224_on_meta_has_the_published_parameter_count(spec):
-    # 2,923,466,480: the hand count of its parts below (Gemma 1's layers have Llama's shape: two RMSNorms, gated MLP);
-    # the Hub's safetensors count of google/paligemma-3b-pt-224 is "2.92B" (recalled, no hub access here)
-    pali = spec("paligemma_3b_224")
-    model = pali.build("meta", torch.float32, init=False)
-    assert count_params(model) == (2_923_466_480, 2_923_466_480)
-    assert count_params(model.model.vision_tower)[0] == siglip_params(pali.vision) == 412_442_352
-    assert count_params(model.model.language_model)[0] == llama_params(pali.text) == 2_508_662_784
-    assert model.config.text_config._attn_implementation == "sdpa"  # Gemma 1 has an SDPA path
+    assert model.config.text_config._attn_implementation == attention  # Gemma 2 has no SDPA path
 
 
 def test_paligemma2_3b_448_is_the_224_px_model_with_the_448_px_towers_position_embeddings(spec):
