@@ -8,6 +8,7 @@ import torch
 from hand_counts import llama_params, siglip_params
 from vlmprobe.errors import ConfigError
 from vlmprobe.models.base import IGNORE_INDEX, DataShape, count_params
+from vlmprobe.models.paligemma import NEWLINE
 
 CPU = torch.device("cpu")
 
@@ -74,6 +75,36 @@ def test_image_tokens_are_what_the_models_image_features_have(spec):
         features = model.model.get_image_features(torch.randn(2, 3, 32, 32)).pooler_output
     assert features.shape[:2] == (2, tiny.image_tokens(DataShape(1, 48))) == (2, 16)
     assert spec("paligemma2_3b_224").image_tokens(DataShape(1, 2048, images_per_sample=2)) == 2 * (224 // 14) ** 2
+
+
+def test_the_prefix_is_laid_out_as_the_real_processor_lays_it_out(spec):
+    """PaliGemmaProcessor itself (a SigLIP image processor at the tiny tower's size and a word-level tokenizer built
+    offline, whose ids stand for Gemma's) on an image, an empty prompt and a suffix: the same prefix (the image
+    tokens, <bos>, the newline), token type 0 exactly over it, and labels that are the ids with -100 over it."""
+    np = pytest.importorskip("numpy")
+    image = pytest.importorskip("PIL.Image")
+    tokenizers = pytest.importorskip("tokenizers")
+    from transformers import PaliGemmaProcessor, PreTrainedTokenizerFast, SiglipImageProcessorPil
+
+    tiny = spec("paligemma_tiny")
+    words = tokenizers.Tokenizer(tokenizers.models.WordLevel(
+        {"<pad>": 0, "<eos>": 1, "<bos>": 2, "<unk>": 3, "\n": 4, "a": 5}, unk_token="<unk>"))
+    words.pre_tokenizer = tokenizers.pre_tokenizers.Split(tokenizers.Regex(r"\n| "), behavior="isolated")
+    images = SiglipImageProcessorPil(size={"height": 32, "width": 32})
+    images.image_seq_length = tiny.tokens_per_image()  # what the Hub's preprocessor_config.json carries
+    processor = PaliGemmaProcessor(image_processor=images, tokenizer=PreTrainedTokenizerFast(
+        tokenizer_object=words, bos_token="<bos>", eos_token="<eos>", pad_token="<pad>", unk_token="<unk>"))
+    real = processor(text=["<image>"], images=[image.fromarray(np.zeros((50, 40, 3), dtype=np.uint8))],
+                     suffix=["a a a"], return_tensors="pt")
+    as_ours = {processor.image_token_id: tiny.image_token_id, 4: NEWLINE}  # <bos> is 2 in both
+    real_ids = [as_ours.get(i, i) for i in real["input_ids"][0].tolist()]
+    prefix = real["token_type_ids"][0].tolist().index(1)
+    ours = tiny.batch(DataShape(batch_size=1, lm_max_length=48), CPU)
+    assert prefix == tiny.tokens_per_image() + 2
+    assert ours["input_ids"][0, :prefix].tolist() == real_ids[:prefix]
+    assert (ours["token_type_ids"][0, :prefix] == 0).all() and (ours["token_type_ids"][0, prefix:] == 1).all()
+    assert torch.equal(real["labels"], real["input_ids"].masked_fill(real["token_type_ids"] == 0, IGNORE_INDEX))
+    assert torch.equal(ours["labels"], ours["input_ids"].masked_fill(ours["token_type_ids"] == 0, IGNORE_INDEX))
 
 
 def test_the_prefix_attends_both_ways_and_only_the_suffix_is_learned(spec):
