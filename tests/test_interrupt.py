@@ -29,3 +29,25 @@ def test_a_ctrl_c_inside_a_weakref_callback_is_raised_after_it_instead_of_printe
     assert time.monotonic() < started + 5
     assert interrupt.received()
     assert "Exception ignored" not in capsys.readouterr().err
+
+
+def test_a_ctrl_c_inside_a_deferred_block_is_raised_when_the_block_ends(monkeypatch):
+    monkeypatch.setattr(interrupt, "_received", False)
+    ran = []
+    with pytest.raises(KeyboardInterrupt), interrupt.watching():
+        with interrupt.deferred():  # as torch's first import: the block runs to its end
+            signal.raise_signal(signal.SIGINT)
+            ran.append("after the Ctrl-C")
+        ran.append("after the block")
+    assert ran == ["after the Ctrl-C"] and interrupt.received()
+
+
+def test_a_deferred_block_without_a_ctrl_c_or_outside_watching_changes_nothing(monkeypatch):
+    monkeypatch.setattr(interrupt, "_received", False)
+    with interrupt.watching():
+        with interrupt.deferred():
+            pass
+        assert signal.getsignal(signal.SIGINT) is interrupt._on_sigint  # Ctrl-C raises at once again
+    with interrupt.deferred():  # not watching: the handler stays whatever it was
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    assert not interrupt.received()

@@ -26,7 +26,10 @@ def say(line: str) -> None:
 def run(cfg, overrides: list[str], compose, state: dict) -> int:
     from omegaconf import OmegaConf
 
-    from vlmprobe import backends, launchers
+    from vlmprobe import interrupt
+
+    with interrupt.deferred():  # torch's first import: a Ctrl-C raised inside its C++ start-up crashes the process
+        from vlmprobe import backends, launchers
     from vlmprobe.plan import grid_points
 
     base = OmegaConf.to_container(cfg, resolve=True)
