@@ -25,14 +25,13 @@ import argparse
 
 import pandas as pd
 
-from vlmprobe import reference
+from vlmprobe import check, reference
 from vlmprobe.errors import ConfigError
 from vlmprobe.plan import plan_overrides
 from vlmprobe.results import MiB
 from vlmprobe.script_args import options, positive_ints
 from vlmprobe.sweep import run_point
 
-SLOPE = (8, 16)  # batch sizes between which the cost of a sample is taken (both lengths are published there)
 CODES = ("vlmprobe", "nanoVLM")  # whose model code a run ran: ours, or the checkout's
 
 
@@ -58,12 +57,6 @@ def apart(mine: dict, other: dict, key: str) -> str:
     if not (mine.get("status") == other.get("status") == "ok"):
         return ""
     return f"{other[key] - mine[key]:,}"
-
-
-def per_sample(mib: dict, length: int) -> float | None:
-    """MiB a sample between the batch sizes of SLOPE at `length` (None where either point has no figure)."""
-    low, high = (mib.get((batch, length)) for batch in SLOPE)
-    return None if low is None or high is None else (high - low) / (SLOPE[1] - SLOPE[0])
 
 
 def markdown(rows: list[dict], digits: int) -> str:
@@ -112,9 +105,9 @@ def main() -> None:
     allocated = {code: {key: figure(row, "peak_allocated_bytes") for key, row in found.items()}
                  for code, found in rows.items()}
     allocated["published (RTX 3090)"] = published
-    if all(b in args.batch_sizes for b in SLOPE):
-        print(f"## Per sample, batch {SLOPE[0]} -> {SLOPE[1]} (peak allocated)\n")
-        print(markdown([{"lm_max_length": length, **{f"{code} MiB": per_sample(mib, length)
+    if {check.SLOPE_FROM, check.SLOPE_TO} <= set(args.batch_sizes):
+        print(f"## Per sample, batch {check.SLOPE_FROM} -> {check.SLOPE_TO} (peak allocated)\n")
+        print(markdown([{"lm_max_length": length, **{f"{code} MiB": check.per_sample(mib, length)
                                                      for code, mib in allocated.items()}}
                         for length in args.lengths], 2))
 

@@ -25,7 +25,7 @@ import pandas as pd
 import torch
 from hydra.utils import instantiate
 
-from vlmprobe import backends, reference
+from vlmprobe import backends, check, reference
 from vlmprobe.distributed import engines
 from vlmprobe.errors import ConfigError
 from vlmprobe.estimate import device_profile
@@ -35,7 +35,6 @@ from vlmprobe.results import MiB
 from vlmprobe.script_args import options, positive_ints
 from vlmprobe.worker import DTYPES, build_spec, built, measure
 
-SLOPE = (8, 16)  # batch sizes between which the cost of a sample is taken (both lengths are published there)
 
 
 def points(length: int, batch_sizes: list[int], card: str, model: str | None) -> list[dict]:
@@ -119,16 +118,15 @@ def main() -> None:
                          **{f"{k} MiB": None if v[b] is None else v[b] / MiB for k, v in figures.items()},
                          "one - fresh MiB":
                              None if None in (alone[b], together[b]) else (together[b] - alone[b]) / MiB})
-        if all(b in batch_sizes for b in SLOPE):
-            low, high = SLOPE
+        if {check.SLOPE_FROM, check.SLOPE_TO} <= set(batch_sizes):
             slopes.append({"lm_max_length": length, **{
-                f"{k} MiB": None if None in (v[low], v[high]) else (v[high] - v[low]) / (high - low) / MiB
-                for k, v in figures.items()}})
+                f"{k} MiB": None if (s := check.per_sample({(b, length): v[b] for b in v}, length)) is None
+                else s / MiB for k, v in figures.items()}})
     print(f"## Peak allocated, device={args.device} (estimate: backend estimate, no GPU; published: CUDA, RTX 3090;"
           f" MiB = 1024^2 B)\n")
     print((pd.DataFrame(rows).round(1) + 0.0).to_markdown(index=False), "\n")  # + 0.0: no "-0"
     if slopes:
-        print(f"## Per sample, batch {SLOPE[0]} -> {SLOPE[1]}\n")
+        print(f"## Per sample, batch {check.SLOPE_FROM} -> {check.SLOPE_TO}\n")
         print((pd.DataFrame(slopes).round(2) + 0.0).to_markdown(index=False))
 
 

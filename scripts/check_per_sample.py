@@ -76,7 +76,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from vlmprobe import backends, reference
+from vlmprobe import backends, check, reference
 from vlmprobe.estimate import device_profile
 from vlmprobe.plan import plan_overrides
 from vlmprobe.results import MiB, gpu_check_runs, read_results_dir, superseded
@@ -84,7 +84,7 @@ from vlmprobe.script_args import positive_ints
 from vlmprobe.worker import measure
 
 REPO = Path(__file__).resolve().parent.parent
-BATCHES = (8, 16)  # where the published table has both lengths
+BATCHES = (check.SLOPE_FROM, check.SLOPE_TO)  # where the published table has both lengths
 BF16, FP32, INT64 = 2, 4, 8
 
 
@@ -191,8 +191,7 @@ def estimate_peaks(lengths: list[int], overrides: tuple[str, ...] = ()) -> dict[
 
 
 def per_sample(peaks: dict, length: int, figure: str) -> float:
-    low, high = BATCHES
-    return (peaks[(high, length)][figure] - peaks[(low, length)][figure]) / (high - low)
+    return check.per_sample({key: found.get(figure) for key, found in peaks.items()}, length)
 
 
 def measured_runs(root: Path = REPO / "results" / "gpu_check") -> list[tuple[str, dict]]:

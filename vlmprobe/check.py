@@ -57,11 +57,16 @@ def peak_mib(side: pd.DataFrame, who: str, batch: int, length: int) -> float | N
     return float(point(side, batch, length)[f"{who}_bytes"].iloc[0]) / MiB
 
 
+def per_sample(figures: dict, length: int) -> float | None:
+    """What a sample adds at `length`: the change of a figure ((batch, length) -> value, any unit) per sample
+    between batch SLOPE_FROM and SLOPE_TO; None where either has no figure."""
+    low, high = figures.get((SLOPE_FROM, length)), figures.get((SLOPE_TO, length))
+    return None if low is None or high is None else (high - low) / (SLOPE_TO - SLOPE_FROM)
+
+
 def finding(side: pd.DataFrame, who: str) -> Finding:
-    slope = {}
-    for length in (SHORT, LONG):
-        low, high = peak_mib(side, who, SLOPE_FROM, length), peak_mib(side, who, SLOPE_TO, length)
-        slope[length] = None if low is None or high is None else (high - low) / (SLOPE_TO - SLOPE_FROM)
+    slope = {length: per_sample({(b, length): peak_mib(side, who, b, length) for b in (SLOPE_FROM, SLOPE_TO)}, length)
+             for length in (SHORT, LONG)}
     ratio = slope[LONG] / slope[SHORT] if slope[LONG] is not None and slope[SHORT] else None
     fits, no_figure = {}, {}
     for length in (SHORT, LONG):

@@ -252,7 +252,7 @@ def validate_point(cfg: dict, point: Point) -> tuple[dict, str | None]:
         "case": point.case or None,
         "model": spec.name,
         # a nanoVLM checkout whose own modules run (model.source), so its rows never pass for vlmprobe's modules'
-        "model_source": str(spec.source) if getattr(spec, "source", None) is not None else None,
+        "model_source": None if spec.source is None else str(spec.source),
         **described,
         "dtype": train["param_dtype"],
         "autocast_dtype": train["autocast_dtype"],

@@ -71,6 +71,7 @@ class ModelSpec(abc.ABC):
         """LM tokens that one sample's images occupy. Raises ConfigError for sizes the model cannot take."""
 
     size_decides_tokens = False  # the too-short line names the image size (the family's tokens follow it)
+    source = None  # a checkout whose own model code the point runs instead of this spec's (nanoVLM's model.source)
 
     def native_size_only(self, data: DataShape, resizes: str, why: str) -> None:
         """ConfigError (one line) unless the point asks for the size the family's processor gives every image
