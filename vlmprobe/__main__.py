@@ -28,9 +28,11 @@ def run(cfg, overrides: list[str], compose, state: dict) -> int:
 
     from vlmprobe import interrupt
 
-    with interrupt.deferred():  # torch's first import: a Ctrl-C raised inside its C++ start-up crashes the process
+    # the first imports of torch (backends) and pandas (plan): a Ctrl-C raised inside their native start-up code
+    # crashes the process, there or at their next use (the interrupted line reads the rows kept with pandas)
+    with interrupt.deferred():
         from vlmprobe import backends, launchers
-    from vlmprobe.plan import grid_points
+        from vlmprobe.plan import grid_points
 
     base = OmegaConf.to_container(cfg, resolve=True)
     base.pop("hydra", None)

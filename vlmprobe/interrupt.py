@@ -43,10 +43,13 @@ def _unraisable(previous):
 @contextlib.contextmanager
 def deferred():
     """While watching, a Ctrl-C inside the block is recorded and raised when the block ends, not where it struck.
-    For torch's first import: its C++ initialisation calls back into Python, and a KeyboardInterrupt raised in such
-    a call makes the C++ runtime abort (pybind11::error_already_set, SIGABRT) or crash (SIGSEGV): seen on 2026-11-25
-    in 1 of 174 Ctrl-Cs at random start-up moments and in one CI run, in none of 350 with the import deferred. The
-    import takes a second or two, so the interruption waits that long at most."""
+    For the first imports of native libraries. torch's C++ initialisation calls back into Python, and a
+    KeyboardInterrupt raised in such a call makes the C++ runtime abort (pybind11::error_already_set, SIGABRT;
+    1 of 174 Ctrl-Cs at random start-up moments on 2026-11-25, none of 350 with the import deferred). One raised
+    inside pandas' import leaves its extension modules half made, and the next read of a CSV crashes (SIGSEGV in
+    pandas' parser, from the interrupted line's count of the rows kept: 1 of 4 runs of tests/test_faults.py in a
+    fresh virtual environment, where the first imports compile their bytecode). The imports take a second or two,
+    so the interruption waits that long at most."""
     if signal.getsignal(signal.SIGINT) is not _on_sigint:  # not watching, or not the main thread
         yield
         return
