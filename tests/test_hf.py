@@ -51,6 +51,7 @@ def spec(compose):
     ("Qwen3-VL-8B-Instruct", "qwen3_vl_8b", 8_767_123_696),
     ("llava-v1.6-mistral-7b-hf", "llava_v1_6_mistral_7b", 7_566_747_648),
     ("paligemma2-3b-pt-224", "paligemma2_3b_224", 3_032_242_416),
+    ("llava-onevision-qwen2-7b-ov-hf", "llava_onevision_qwen2_7b", 8_030_807_584),
 ])
 def test_a_published_config_json_builds_what_its_shipped_yaml_builds(spec, folder, shipped, params):
     from_json = spec("model=hf", f"model.config={DATA / folder}")
@@ -68,7 +69,8 @@ def test_a_published_config_json_builds_what_its_shipped_yaml_builds(spec, folde
 @pytest.mark.parametrize("folder,shipped", [("qwen2_5_vl_tiny", "qwen2_5_vl_tiny"), ("qwen2_vl_tiny", "qwen2_vl_tiny"),
                                             ("llava_tiny", "llava_tiny"), ("idefics3_tiny", "idefics3_tiny"),
                                             ("gemma3_tiny", "gemma3_tiny"), ("mllama_tiny", "mllama_tiny"),
-                                            ("internvl_tiny", "internvl_tiny"), ("paligemma_tiny", "paligemma_tiny")])
+                                            ("internvl_tiny", "internvl_tiny"), ("paligemma_tiny", "paligemma_tiny"),
+                                            ("llava_onevision_tiny", "llava_onevision_tiny")])
 def test_a_tiny_config_json_point_uses_the_memory_of_its_shipped_yaml_to_the_byte(plan_points, folder, shipped):
     data = ["data.batch_size=2", "data.lm_max_length=48", "measure.backend=estimate", "measure.steps=1"]
     data += ["data.image_size=112"] if shipped.startswith("qwen") else []  # a Qwen config.json has no image size
@@ -136,8 +138,8 @@ def _write(path, text):
     ("not JSON", r"model.config=.*/broken.json is not allowed: it cannot be read as JSON"),
     ("not an object", r"model.config=.*/list.json is not allowed: it is JSON but not an object of config keys"),
     ("unsupported family", r"model.config=.*/molmo is not allowed: its model_type 'molmo' is not a family vlmprobe "
-                           r"builds \(supported: gemma3, idefics3, internvl, llava, llava_next, mllama, paligemma, "
-                           r"qwen2_5_vl, qwen2_vl, qwen3_vl, smolvlm\)"),
+                           r"builds \(supported: gemma3, idefics3, internvl, llava, llava_next, llava_onevision, mllama, "
+                           r"paligemma, qwen2_5_vl, qwen2_vl, qwen3_vl, smolvlm\)"),
     ("no model_type", r"model.config=.*/bare.json is not allowed: its model_type None is not a family"),
 ])
 def test_a_config_path_that_cannot_be_used_is_one_line(plan_points, tmp_path, case, message):

@@ -27,6 +27,7 @@ def families() -> dict:
     from vlmprobe.models.internvl import InternVLSpec
     from vlmprobe.models.llava import LlavaSpec
     from vlmprobe.models.llava_next import LlavaNextSpec
+    from vlmprobe.models.llava_onevision import LlavaOnevisionSpec
     from vlmprobe.models.mllama import MllamaSpec
     from vlmprobe.models.paligemma import PaliGemmaSpec
     from vlmprobe.models.qwen2_5_vl import Qwen2_5_VLSpec
@@ -34,7 +35,7 @@ def families() -> dict:
     from vlmprobe.models.qwen3_vl import Qwen3VLSpec
 
     return {"qwen2_vl": Qwen2VLSpec, "qwen2_5_vl": Qwen2_5_VLSpec, "qwen3_vl": Qwen3VLSpec, "llava": LlavaSpec,
-            "llava_next": LlavaNextSpec, "idefics3": Idefics3Spec,
+            "llava_next": LlavaNextSpec, "llava_onevision": LlavaOnevisionSpec, "idefics3": Idefics3Spec,
             "smolvlm": SmolVLMSpec, "gemma3": Gemma3Spec,
             "mllama": MllamaSpec, "internvl": InternVLSpec, "paligemma": PaliGemmaSpec}
 

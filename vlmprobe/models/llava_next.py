@@ -21,6 +21,8 @@ reads it to count tiles and unpad: vlmprobe/models/fake_constants.py).
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from vlmprobe.errors import ConfigError
@@ -45,16 +47,24 @@ def select_best_resolution(height: int, width: int, pinpoints: list) -> tuple[in
     return best
 
 
-def anyres_tokens(height: int, width: int, pinpoints: list, tile: int, patch: int, tile_tokens: int) -> int:
+def anyres_tokens(height: int, width: int, pinpoints: list, tile: int, patch: int, tile_tokens: int,
+                  max_tiles: int | None = None) -> int:
     """LM tokens of one `height` x `width` image (LlavaNextProcessor._get_number_of_features): the base
     tile's `tile_tokens`, then the tiles' patch grid with the padding rows or columns removed, each row
-    followed by a newline token."""
+    followed by a newline token. `max_tiles` is LLaVA-OneVision's "anyres_max_N" (N): where the unpadded grid
+    holds more than 1.1^2 x N tiles' patches, the model shrinks it (bilinear) by the ratio's square root, each
+    side rounded down (LlavaOnevisionProcessor._get_unpadded_features, the model's pack_image_features)."""
     canvas_h, canvas_w = select_best_resolution(height, width, pinpoints)
-    rows, cols = canvas_h // tile * (tile // patch), canvas_w // tile * (tile // patch)
+    side = tile // patch
+    rows, cols = canvas_h // tile * side, canvas_w // tile * side
     if width / height > cols / rows:  # wider than the canvas: padding rows above and below
         rows -= (rows - int(round(height * (cols / width), 7))) // 2 * 2
     else:
         cols -= (cols - int(round(width * (rows / height), 7))) // 2 * 2
+    if max_tiles is not None:
+        ratio = math.sqrt(rows * cols / (max_tiles * side ** 2))
+        if ratio > 1.1:
+            rows, cols = int(rows // ratio), int(cols // ratio)
     return tile_tokens + rows * (cols + 1)
 
 
@@ -70,6 +80,7 @@ class LlavaNextSpec(LlavaSpec):
 
     config_class = "LlavaNextConfig"
     model_class = "LlavaNextForConditionalGeneration"
+    max_tiles = None  # LLaVA-OneVision's cap on an image's unpadded grid, in tiles (anyres_tokens); none here
 
     def __init__(self, *, image_grid_pinpoints: list, image_size: int, **llava):
         super().__init__(**llava)
@@ -93,11 +104,16 @@ class LlavaNextSpec(LlavaSpec):
     def image_tokens(self, data: DataShape) -> int:
         size = self.image_size(data)
         return data.images_per_sample * anyres_tokens(size, size, self.image_grid_pinpoints, self.vision["image_size"],
-                                                      self.vision["patch_size"], self.tokens_per_image())
+                                                      self.vision["patch_size"], self.tokens_per_image(),
+                                                      self.max_tiles)
+
+    def tiles_per_image(self, data: DataShape) -> int:
+        """Tiles the processor cuts one image of this point into: the base tile and the canvas's."""
+        size = self.image_size(data)
+        return 1 + tiles(size, size, self.image_grid_pinpoints, self.vision["image_size"])
 
     def image_inputs(self, n_images: int, data: DataShape, device: torch.device) -> dict:
         size, tile = self.image_size(data), self.vision["image_size"]
-        patches = 1 + tiles(size, size, self.image_grid_pinpoints, tile)
-        return {"pixel_values": torch.randn(n_images, patches, self.vision.get("num_channels", 3), tile, tile,
-                                            dtype=torch.float32, device=device),
+        return {"pixel_values": torch.randn(n_images, self.tiles_per_image(data), self.vision.get("num_channels", 3),
+                                            tile, tile, dtype=torch.float32, device=device),
                 "image_sizes": constant_tensor([[size, size]] * n_images, device)}
