@@ -16,7 +16,8 @@ processor in the tests). A 336 px square image on llava-v1.6's canvases is 1 + 2
 
 Every image size is accepted, as the processor accepts it (it resizes any image into a canvas, 1 x 1 px
 included); the images are square (`data.image_size` a side). image_sizes is a constant input (the forward
-reads it to count tiles and unpad: vlmprobe/models/fake_constants.py).
+reads it to count tiles and unpad: vlmprobe/models/fake_constants.py). LLaVA-OneVision (llava_onevision.py)
+subclasses this spec: its `max_tiles` cap and one tile per image where a sample has several.
 """
 
 from __future__ import annotations
