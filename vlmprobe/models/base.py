@@ -111,9 +111,17 @@ class ModelSpec(abc.ABC):
         sliding-window and full-attention layers alternate in some families)."""
         return []
 
-    @abc.abstractmethod
+    model_class: str  # a transformers family's model class, by name (imported when a model is built)
+
     def _construct(self) -> nn.Module:
-        """Create the module (called under the device, dtype and no-init contexts)."""
+        """Create the module (called under the device, dtype and no-init contexts): a transformers family's
+        `model_class` from its config(), with its weights tied, as from_pretrained leaves them (post_init does not
+        tie under no_init_weights; a no-op where untied). A family of our own modules overrides it."""
+        import transformers
+
+        model = getattr(transformers, self.model_class)(self.config())
+        model.tie_weights()
+        return model
 
     @abc.abstractmethod
     def batch(self, data: DataShape, device: torch.device) -> dict:

@@ -35,6 +35,8 @@ NEWLINES = 1  # "\n\n" before <start_of_image> and after <end_of_image>: one tok
 class Gemma3Spec(ModelSpec):
     """Hydra target for conf/model/gemma3_*.yaml."""
 
+    model_class = "Gemma3ForConditionalGeneration"
+
     def __init__(self, name: str, vision: dict, text: dict, mm_tokens_per_image: int, image_token_id: int,
                  boi_token_id: int, eoi_token_id: int, tie_word_embeddings: bool, attn_implementation: str = "sdpa"):
         self.name = name
@@ -86,13 +88,6 @@ class Gemma3Spec(ModelSpec):
                             mm_tokens_per_image=self.mm_tokens_per_image, image_token_index=self.image_token_id,
                             boi_token_index=self.boi_token_id, eoi_token_index=self.eoi_token_id,
                             tie_word_embeddings=self.tie_word_embeddings, attn_implementation=self.attn_implementation)
-
-    def _construct(self) -> nn.Module:
-        from transformers import Gemma3ForConditionalGeneration
-
-        model = Gemma3ForConditionalGeneration(self.config())
-        model.tie_weights()  # post_init does not tie under no_init_weights
-        return model
 
     def towers(self, model: nn.Module) -> dict[str, list[nn.Module]]:
         return {"vision": [model.model.vision_tower], "lm": [model.model.language_model, model.lm_head]}

@@ -151,13 +151,6 @@ class Idefics3Spec(ModelSpec):
             vision_config=dict(self.vision), text_config={**self.text, "use_cache": False},
             image_token_id=self.image_token_id, scale_factor=self.scale_factor, tie_word_embeddings=self.tie_word_embeddings, attn_implementation=self.attn_implementation)
 
-    def _construct(self) -> nn.Module:
-        import transformers
-
-        model = getattr(transformers, self.model_class)(self.config())
-        model.tie_weights()  # post_init does not tie under no_init_weights (a no-op where untied)
-        return model
-
     def towers(self, model: nn.Module) -> dict[str, list[nn.Module]]:
         return {"vision": [model.model.vision_model], "lm": [model.model.text_model, model.lm_head]}
 

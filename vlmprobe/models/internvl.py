@@ -28,6 +28,8 @@ from vlmprobe.models.fake_constants import constant_tensor, hold_constant_limit,
 class InternVLSpec(ModelSpec):
     """Hydra target for conf/model/internvl*.yaml."""
 
+    model_class = "InternVLForConditionalGeneration"
+
     def __init__(self, name: str, image_size: int, min_patches: int, max_patches: int, vision: dict, text: dict,
                  image_token_id: int, image_seq_length: int, downsample_ratio: float, projector_hidden_act: str,
                  vision_feature_layer: int, vision_feature_select_strategy: str, tie_word_embeddings: bool,
@@ -92,13 +94,6 @@ class InternVLSpec(ModelSpec):
                               vision_feature_layer=self.vision_feature_layer,
                               vision_feature_select_strategy=self.vision_feature_select_strategy,
                               tie_word_embeddings=self.tie_word_embeddings, attn_implementation=self.attn_implementation)
-
-    def _construct(self) -> nn.Module:
-        from transformers import InternVLForConditionalGeneration
-
-        model = InternVLForConditionalGeneration(self.config())
-        model.tie_weights()  # post_init does not tie under no_init_weights (a no-op where untied)
-        return model
 
     def towers(self, model: nn.Module) -> dict[str, list[nn.Module]]:
         return {"vision": [model.model.vision_tower], "lm": [model.model.language_model, model.lm_head]}

@@ -117,13 +117,6 @@ class LlavaSpec(ModelSpec):
                            image_seq_length=self.tokens_per_image(), tie_word_embeddings=self.tie_word_embeddings,
                            attn_implementation=self.attn_implementation)
 
-    def _construct(self) -> nn.Module:
-        import transformers
-
-        model = getattr(transformers, self.model_class)(self.config())
-        model.tie_weights()  # post_init does not tie under no_init_weights (a no-op where untied)
-        return model
-
     def towers(self, model: nn.Module) -> dict[str, list[nn.Module]]:
         return {"vision": [model.model.vision_tower], "lm": [model.model.language_model, model.lm_head]}
 

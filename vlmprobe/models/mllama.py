@@ -43,6 +43,8 @@ def canvas(size: int, tile: int, max_tiles: int) -> tuple[int, int]:
 class MllamaSpec(ModelSpec):
     """Hydra target for conf/model/llama3_2_*_vision.yaml."""
 
+    model_class = "MllamaForConditionalGeneration"
+
     def __init__(self, name: str, image_size: int, vision: dict, text: dict, image_token_id: int,
                  attn_implementation: str = "sdpa"):
         self.name = name
@@ -79,11 +81,6 @@ class MllamaSpec(ModelSpec):
 
         return MllamaConfig(vision_config=dict(self.vision), text_config={**self.text, "use_cache": False},
                             image_token_index=self.image_token_id, attn_implementation=self.attn_implementation)
-
-    def _construct(self) -> nn.Module:
-        from transformers import MllamaForConditionalGeneration
-
-        return MllamaForConditionalGeneration(self.config())
 
     def towers(self, model: nn.Module) -> dict[str, list[nn.Module]]:
         return {"vision": [model.model.vision_model], "lm": [model.model.language_model, model.lm_head]}

@@ -35,6 +35,8 @@ NEWLINE = 108  # "\n" in Gemma's vocabulary: the end of the prefix (its value ch
 class PaliGemmaSpec(ModelSpec):
     """Hydra target for conf/model/paligemma*.yaml."""
 
+    model_class = "PaliGemmaForConditionalGeneration"
+
     def __init__(self, name: str, vision: dict, text: dict, projection_dim: int, image_token_id: int,
                  attn_implementation: str = "eager"):
         if text.get("model_type") == "gemma2" and attn_implementation != "eager":
@@ -83,13 +85,6 @@ class PaliGemmaSpec(ModelSpec):
         return PaliGemmaConfig(vision_config=dict(self.vision), text_config={**self.text, "use_cache": False},
                                projection_dim=self.projection_dim, image_token_index=self.image_token_id,
                                attn_implementation=self.attn_implementation)
-
-    def _construct(self) -> nn.Module:
-        from transformers import PaliGemmaForConditionalGeneration
-
-        model = PaliGemmaForConditionalGeneration(self.config())
-        model.tie_weights()  # post_init does not tie under no_init_weights
-        return model
 
     def towers(self, model: nn.Module) -> dict[str, list[nn.Module]]:
         return {"vision": [model.model.vision_tower], "lm": [model.model.language_model, model.lm_head]}

@@ -188,13 +188,6 @@ class Qwen2VLSpec(ModelSpec):
             text_config=text, vision_config=dict(self.vision), **ids, tie_word_embeddings=self.tie_word_embeddings,
             attn_implementation=self.attn_implementation)
 
-    def _construct(self) -> nn.Module:
-        import transformers
-
-        model = getattr(transformers, self.model_class)(self.config())
-        model.tie_weights()  # post_init does not tie under no_init_weights; 2B shares lm_head with embed_tokens
-        return model
-
     def towers(self, model: nn.Module) -> dict[str, list[nn.Module]]:
         # The patch merger (the projector) lives inside `visual`, the vision PreTrainedModel that checkpointing
         # is enabled on, so it goes with the vision tower here (frozen with it).
