@@ -37,3 +37,11 @@ def clip_vision_params(v: dict) -> int:
     embeddings = d + v["num_channels"] * v["patch_size"] ** 2 * d + (patches + 1) * d
     layer = 4 * (d * d + d) + (d * f + f) + (f * d + d) + 2 * 2 * d
     return embeddings + 2 * d + v["num_hidden_layers"] * layer + 2 * d
+
+
+def qwen2_params(t: dict) -> int:
+    """A Qwen2 LM without its head: as Llama, plus biases on q, k and v."""
+    d, f, head = t["hidden_size"], t["intermediate_size"], t["hidden_size"] // t["num_attention_heads"]
+    q, kv = t["num_attention_heads"] * head, t["num_key_value_heads"] * head
+    layer = (d * q + q) + 2 * (d * kv + kv) + q * d + 3 * d * f + 2 * d
+    return t["vocab_size"] * d + t["num_hidden_layers"] * layer + d

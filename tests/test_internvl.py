@@ -5,6 +5,7 @@ and the knobs: test_families.py.)"""
 import pytest
 import torch
 
+from hand_counts import qwen2_params
 from vlmprobe.errors import ConfigError
 from vlmprobe.models.base import IGNORE_INDEX, DataShape, count_params
 
@@ -16,14 +17,6 @@ def spec(compose):
     from hydra.utils import instantiate
 
     return lambda name, *extra: instantiate(compose([f"model={name}", *extra]).model, _convert_="all")
-
-
-def qwen2_params(t: dict) -> int:
-    """Hand count of a Qwen2 LM without its head: as Llama, plus biases on q, k and v."""
-    d, f, head = t["hidden_size"], t["intermediate_size"], t["hidden_size"] // t["num_attention_heads"]
-    q, kv = t["num_attention_heads"] * head, t["num_key_value_heads"] * head
-    layer = (d * q + q) + 2 * (d * kv + kv) + q * d + 3 * d * f + 2 * d
-    return t["vocab_size"] * d + t["num_hidden_layers"] * layer + d
 
 
 def internvit_params(v: dict) -> int:

@@ -6,7 +6,7 @@ test_families.py; config.json: test_hf.py.)"""
 import pytest
 import torch
 
-from hand_counts import llama_params, siglip_params
+from hand_counts import qwen2_params, siglip_params
 from vlmprobe.errors import ConfigError
 from vlmprobe.models.base import IGNORE_INDEX, DataShape, count_params
 from vlmprobe.models.llava_next import anyres_tokens
@@ -46,13 +46,6 @@ def processor():
     tokenizer.add_special_tokens({"additional_special_tokens": ["<image>", "<video>"]})
     return WithoutVideos(LlavaOnevisionImageProcessorPil(size={"height": 384, "width": 384},
                                                          image_grid_pinpoints=PINPOINTS), tokenizer)
-
-
-def qwen2_params(t: dict) -> int:
-    """A Qwen2 LM without its head: Llama's layout plus a bias on q, k and v."""
-    head = t["hidden_size"] // t["num_attention_heads"]
-    biases = (t["num_attention_heads"] + 2 * t["num_key_value_heads"]) * head
-    return llama_params({**t, "head_dim": head}) + t["num_hidden_layers"] * biases
 
 
 # 8,030,807,584: the Hub page of llava-hf/llava-onevision-qwen2-7b-ov-hf says "8.03B" (recalled, no hub access
