@@ -85,6 +85,8 @@ BAD_INPUT = {
     "too short for the image": (["data.lm_max_length=40"], "data.lm_max_length=40 is too short for nanovlm_222m: the images take 49 tokens"),
     "pixels out of range": (["data.image_size=300"], "data.image_size=300 is not allowed for nanovlm_222m"),
     "axis not a config key": (["+sweep=smoke", "+sweep.axes.data.nope=[1,2]"], "sweep axis 'data.nope' is not allowed: it is not a key of the config"),
+    "case key its group lacks": (["+sweep=smoke", "+sweep.cases=[{dist: zero3, dist.nope: 1}]"],
+                                 "dist.nope=1 is not allowed: dist has no key 'nope'"),
     "cuda without a GPU": (["measure.backend=cuda"], "measure.backend=cuda is not allowed here: no CUDA GPU is visible"),
     "unknown backend": (["measure.backend=tpu"], "measure.backend='tpu' is not allowed: use one of auto, cuda, cpu, estimate"),
     # the target card (issue 12): an unknown one names the profiles; what the card cannot do is refused

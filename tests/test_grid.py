@@ -42,6 +42,17 @@ def test_cases_go_together_and_cross_the_axes():
     assert [p.case for p in points] == ["baseline", "baseline"] + ["train.grad_ckpt.lm=true,optimizer=sgd_momentum"] * 2
 
 
+def test_a_case_that_picks_a_group_option_sets_that_options_own_keys(plan_points):
+    # the preset's base is dist=zero2, which has no stage-3 keys; its last cases pick zero3 and set them, and keep
+    # what the preset set for every dist (4 ranks)
+    points = plan_points(["+sweep=preset_video_r1_sft_4xa100"])
+    dists = [p.config["dist"] for p in points]
+    assert [d["name"] for d in dists] == ["zero2"] * 6 + ["zero3"] * 2
+    assert all("stage3_prefetch_bucket_size" not in d for d in dists[:6])
+    assert all(d["stage3_prefetch_bucket_size"] == 11560550 and d["overlap_comm"] for d in dists[6:])
+    assert {d["world_size"] for d in dists} == {4}
+
+
 def test_a_cases_sweep_plots_one_bar_per_case(tmp_path):
     import pandas as pd
 

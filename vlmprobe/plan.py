@@ -55,7 +55,10 @@ def check_axis_keys(base: dict, keys: list[str], overrides: list[str]) -> None:
 def grid_points(overrides: list[str], base: dict) -> list[Point]:
     """The points of the base config's sweep, its swept keys checked."""
     axes, cases = base["sweep"]["axes"] or {}, base["sweep"].get("cases")
-    keys = {*flatten_axes(axes), *(k for case in flatten_cases(cases) for k in case)}
+    # a case that picks a group's option ({dist: zero3}) may set that option's own keys, which the base's option
+    # may lack: Hydra checks those when the point is composed, and refuses an unknown one there
+    keys = {*flatten_axes(axes), *(k for case in flatten_cases(cases) for k in case
+                                   if k.split(".")[0] == k or k.split(".")[0] not in case)}
     check_axis_keys(base, sorted(keys), overrides)
     return expand(axes, cases)
 
@@ -233,6 +236,7 @@ def validate_point(cfg: dict, point: Point) -> tuple[dict, str | None]:
         spec = build_spec(cfg["model"])
         spec.validate(data)
         image_size, image_tokens = spec.image_size(data), spec.image_tokens(data)
+        video_tokens = spec.video_tokens(data)
     except ConfigError:
         raise
     except Exception as exc:  # Hydra's InstantiationException: the cause is the constructor's own refusal
@@ -260,10 +264,13 @@ def validate_point(cfg: dict, point: Point) -> tuple[dict, str | None]:
         "grad_accum_steps": train["grad_accum_steps"],
         "effective_batch_size": data.batch_size * train["grad_accum_steps"],
         "lm_max_length": data.lm_max_length,
-        "image_size": image_size,
+        "image_size": image_size if data.images_per_sample else None,
         "images_per_sample": data.images_per_sample,
         "max_pixels": data.max_pixels,
         "image_tokens": image_tokens,
+        **({"videos_per_sample": data.videos_per_sample, "video_frames": data.video_frames,
+            "video_size": spec.video_size(data), "video_max_pixels": data.video_max_pixels,
+            "video_tokens": video_tokens} if data.videos_per_sample else {}),
         "grad_ckpt_lm": train["grad_ckpt"]["lm"],
         "grad_ckpt_vision": train["grad_ckpt"]["vision"],
         "freeze_vision": train["freeze_vision"],

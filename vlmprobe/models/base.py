@@ -19,24 +19,47 @@ class DataShape:
     """The input sizes of one grid point (the `data` config group, validated)."""
 
     batch_size: int = 0  # samples per optimizer step (micro batch); 0 = not given, rejected
-    lm_max_length: int = 0  # whole LM sequence per sample, image tokens included; 0 = not given, rejected
+    lm_max_length: int = 0  # whole LM sequence per sample, image and video tokens included; 0 = not given, rejected
     image_size: int | None = None  # pixels per image side; None = the model's native size
-    images_per_sample: int = 1
+    images_per_sample: int = 1  # 0 only beside videos
     max_pixels: int | None = None  # Qwen-style cap on H*W per image; None = the model's
     min_pixels: int | None = None  # Qwen-style floor on H*W per image; None = the model's
+    videos_per_sample: int = 0  # videos (Qwen2-VL / Qwen2.5-VL); 0 = none
+    video_frames: int | None = None  # frames each video hands the processor (after sampling); needed with videos
+    video_size: int | None = None  # pixels per frame side; None = the model's default image side
+    video_min_pixels: int | None = None  # floor on H*W per frame; None = the model's video processor's
+    video_max_pixels: int | None = None  # cap on H*W per frame; None = the model's video processor's
+    video_total_pixels: int | None = None  # cap on frames x H*W per video (qwen-vl-utils' VIDEO_TOTAL_PIXELS); None = none
 
     @classmethod
     def from_config(cls, data) -> "DataShape":
         shape = cls(**{k: data[k] for k in cls.__dataclass_fields__ if k in data})
-        for name in ("batch_size", "lm_max_length", "images_per_sample"):
+        for name in ("batch_size", "lm_max_length"):
             value = getattr(shape, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+            if not whole(value) or value <= 0:
                 raise ConfigError(f"data.{name}={value!r} is not allowed: it must be a positive integer")
-        for name in ("image_size", "max_pixels", "min_pixels"):
+        for name in ("images_per_sample", "videos_per_sample"):
             value = getattr(shape, name)
-            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value <= 0):
+            if not whole(value) or value < 0:
+                raise ConfigError(f"data.{name}={value!r} is not allowed: it must be 0 or a positive integer")
+        if shape.images_per_sample == 0 and shape.videos_per_sample == 0:
+            raise ConfigError("data.images_per_sample=0 is not allowed without videos: a sample needs an image or a "
+                              "video (data.videos_per_sample > 0)")
+        for name in ("image_size", "max_pixels", "min_pixels", "video_frames", "video_size", "video_min_pixels",
+                     "video_max_pixels", "video_total_pixels"):
+            value = getattr(shape, name)
+            if value is not None and (not whole(value) or value <= 0):
                 raise ConfigError(f"data.{name}={value!r} is not allowed: it must be a positive integer or null")
+        if shape.videos_per_sample and shape.video_frames is None:
+            raise ConfigError(f"data.video_frames=None is not allowed with data.videos_per_sample="
+                              f"{shape.videos_per_sample}: give the frames each video hands the processor (after "
+                              f"sampling: fps x seconds, capped as your pipeline caps them)")
         return shape
+
+
+def whole(value) -> bool:
+    """An int that is not a bool (YAML's true is an int to Python)."""
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 # transformers' modules that a family built on transformers runs through, and where the estimate answers what
@@ -83,6 +106,16 @@ class ModelSpec(abc.ABC):
                               f"{native} x {native} px ({why}), so the model's memory is that of {native} px; use "
                               f"{native} or null")
 
+    reads_video_preprocessor = False  # model=hf: from_hf_config takes video_preprocessor_config.json's settings too
+
+    def video_tokens(self, data: DataShape) -> int:
+        """LM tokens that one sample's videos occupy: none, or a ConfigError where the point asks for videos (a family
+        that models them overrides this)."""
+        if data.videos_per_sample:
+            raise ConfigError(f"data.videos_per_sample={data.videos_per_sample} is not allowed for {self.name}: videos "
+                              f"are modelled for Qwen2-VL and Qwen2.5-VL (qwen2_vl_*, qwen2_5_vl_*, hf); use 0")
+        return 0
+
     def prompt_framing(self, data: DataShape) -> tuple[int, str]:
         """Tokens the processor writes into the prompt beside the image tokens (markers, <bos>), and how the
         too-short line names them."""
@@ -91,12 +124,14 @@ class ModelSpec(abc.ABC):
     def validate(self, data: DataShape) -> None:
         """Raise ConfigError (one line) if this model cannot run `data`; cheap, no torch work: the prompt must
         hold the images, their framing and at least one text token."""
-        tokens = self.image_tokens(data)
+        tokens = self.image_tokens(data) + self.video_tokens(data)
         framing, named = self.prompt_framing(data)
         needed = tokens + framing + 1
         if data.lm_max_length < needed:
-            at = f" at {self.image_size(data)} px" if self.size_decides_tokens else ""
-            raise ConfigError(f"data.lm_max_length={data.lm_max_length} is too short for {self.name}{at}: the images "
+            at = f" at {self.image_size(data)} px" if self.size_decides_tokens and data.images_per_sample else ""
+            what = ("the images" if not data.videos_per_sample else
+                    "the videos" if not data.images_per_sample else "the images and videos")
+            raise ConfigError(f"data.lm_max_length={data.lm_max_length} is too short for {self.name}{at}: {what} "
                               f"take {tokens} tokens{named}, so it must be at least {needed}")
 
     @abc.abstractmethod

@@ -3,7 +3,7 @@
 PATH is a config.json file, a folder holding one (a downloaded model), or a hub name (org/name) whose
 config.json is already in the local Hugging Face cache. Its `model_type` picks the family class, which
 builds the spec from the file's values (and from preprocessor_config.json beside it, where the family reads
-one); the model is then built with random weights like any shipped config. Nothing is downloaded and no
+one, and video_preprocessor_config.json for a family with videos); the model is then built with random weights like any shipped config. Nothing is downloaded and no
 code from the model's repository runs (no trust_remote_code): a model_type without a family here is
 refused in one line naming it and the families there are.
 """
@@ -52,11 +52,17 @@ def spec_from_config(config: str | None, name: str | None = None, attn_implement
     if model_type not in supported:
         raise ConfigError(f"model.config={config} is not allowed: its model_type {model_type!r} is not a family "
                           f"vlmprobe builds (supported: {', '.join(sorted(supported))})")
-    preprocessor_path = path.parent / "preprocessor_config.json"
-    preprocessor = read_json(preprocessor_path, f"{preprocessor_path} (beside model.config={config})") \
-        if preprocessor_path.is_file() else None
-    return supported[model_type].from_hf_config(raw, name=name or default_name(str(config), path),
-                                                attn_implementation=attn_implementation, preprocessor=preprocessor)
+    family = supported[model_type]
+    files = ["preprocessor"] + (["video_preprocessor"] if family.reads_video_preprocessor else [])
+    processors = {key: beside(path, f"{key}_config.json", config) for key in files}
+    return family.from_hf_config(raw, name=name or default_name(str(config), path),
+                                 attn_implementation=attn_implementation, **processors)
+
+
+def beside(path: Path, filename: str, config: str) -> dict | None:
+    """The JSON file `filename` in the folder of config.json `path` (a processor's settings), or None."""
+    other = path.parent / filename
+    return read_json(other, f"{other} (beside model.config={config})") if other.is_file() else None
 
 
 def find_config(config: str) -> Path:

@@ -14,6 +14,8 @@ fake tensors cannot answer (a data-dependent output shape). transformers accepts
 forward's kwargs, 5.17-5.23), so the collator here computes them in pure Python (`window_index`, checked
 against transformers' function in the tests) and passes them, as constant integer inputs, on every backend.
 The real tower makes the same two small integer tensors itself (a few KiB); here they live with the batch.
+Videos get theirs too (`video_window_index`, `video_cu_window_seqlens`), and their M-RoPE time step is
+vision_config.tokens_per_second x the seconds a temporal patch spans (`video_time_interval`).
 """
 
 from __future__ import annotations
@@ -53,9 +55,16 @@ class Qwen2_5_VLSpec(Qwen2VLSpec):
     config_class = "Qwen2_5_VLConfig"
     model_class = "Qwen2_5_VLForConditionalGeneration"
 
-    def vision_inputs(self, grids: list[tuple[int, int]], device: torch.device) -> dict:
+    def vision_inputs(self, grids: list[tuple[int, int]], device: torch.device, modality: str = "image") -> dict:
+        # A video's windows are its frames' (transformers reshapes each video to (t, rows, cols) and cuts every
+        # temporal patch into windows of its own), so one grid per temporal patch gives the video's index.
         order, bounds = window_index(grids, self.vision["spatial_merge_size"], self.vision["window_size"],
                                      self.vision["patch_size"])
         # dtypes as transformers makes them: int64 (an arange) and int32
-        return {"image_window_index": constant_tensor(order, device),
-                "image_cu_window_seqlens": constant_tensor(bounds, device, torch.int32)}
+        return {f"{modality}_window_index": constant_tensor(order, device),
+                f"{modality}_cu_window_seqlens": constant_tensor(bounds, device, torch.int32)}
+
+    def video_time_interval(self) -> float:
+        """Qwen2.5-VL's M-RoPE temporal step: vision_config.tokens_per_second x second_per_grid_t, the seconds one
+        temporal patch spans (temporal_patch_size / fps, as Qwen2_5_VLProcessor computes it)."""
+        return self.config().vision_config.tokens_per_second * self.vision["temporal_patch_size"] / self.video_fps

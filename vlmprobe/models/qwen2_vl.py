@@ -13,6 +13,22 @@ attention_mask is None: every sample fills lm_max_length, and a mask would make 
 (B, 1, L, L) tensor for fake tensors that a CUDA run without padding never allocates. The loss is the
 model's own (`labels=` -> outputs.loss: logits upcast to fp32, shifted cross-entropy, mean over labels).
 
+Videos (`data.videos_per_sample` > 0; Qwen2VLVideoProcessor, transformers 5.17-5.24, the processor of both
+Qwen2-VL and Qwen2.5-VL): each video's `data.video_frames` square frames of `data.video_size` px are resized by the
+same smart_resize within the video bounds (128 x 28 x 28 to 768 x 28 x 28 px per frame, the class defaults and
+qwen-vl-utils' VIDEO_MIN/MAX_PIXELS; with `data.video_total_pixels` the cap is lowered as the processor's
+cap_pixels_per_frame and qwen-vl-utils lower it: max(min(cap, total x 2 / frames), 1.05 x floor)); the frames
+are padded to a multiple of temporal_patch_size (2) by repeating the last one, and every 2 frames make one
+temporal patch: (frames / 2) x (H/14)(W/14) patches of 1176 values, (frames / 2) x (H/28)(W/28) LM tokens,
+written as <|vision_start|>, one <|video_pad|> per token, <|vision_end|> after the sample's images. The batch
+adds pixel_values_videos, video_grid_thw (t, rows, cols) and mm_token_type_ids 2 at video tokens; the tower
+runs them in a call of their own (get_video_features), attention split per temporal patch (cu_seqlens repeats
+each frame's patch count t times). M-RoPE: a video's token at temporal patch i, row r, column c sits at
+(p + int(i x interval), p + r, p + c) and the text after it continues at p + max(rows, cols): interval 1 in
+Qwen2-VL, tokens_per_second x 2 / fps in Qwen2.5-VL (fps 2, the processor's default; positions change no
+memory). Qwen3-VL writes each frame's timestamp as text ("<1.5 seconds>"), tokens only its tokenizer can
+count: its videos are refused.
+
 Vision attention: with attn_implementation "sdpa" (the default here, and what CUDA runs without the
 flash-attn package) transformers splits the packed patch sequence at `cu_seqlens` into one SDPA call per
 image (no block mask is built; O(patches) state, flash / memory-efficient kernels on CUDA) and
@@ -64,11 +80,12 @@ def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixe
     return h_bar, w_bar
 
 
-def mrope_position_ids(layout: list[tuple[str, int | tuple[int, int]]]) -> list[list[int]]:
+def mrope_position_ids(layout: list[tuple[str, int | tuple]]) -> list[list[int]]:
     """3 rows (t, h, w) of M-RoPE positions for one sample, as Qwen2VLModel.get_rope_index computes them:
-    text tokens advance all three by 1; an image of (rows, cols) merged tokens at position p takes
-    (p, p + row, p + col) and the next token continues at p + max(rows, cols). `layout` is a list of
-    ("text", n_tokens) and ("image", (rows, cols)) runs."""
+    text tokens advance all three by 1; a still image of (rows, cols) merged tokens at position p takes
+    (p, p + row, p + col), a video's temporal patch i adds int(i x interval) to the first, and the next token
+    continues at p + max(rows, cols). `layout` is a list of ("text", n_tokens), ("image", (rows, cols)) and
+    ("video", (temporal_patches, rows, cols, interval)) runs."""
     t, h, w = [], [], []
     pos = 0
     for kind, size in layout:
@@ -78,13 +95,14 @@ def mrope_position_ids(layout: list[tuple[str, int | tuple[int, int]]]) -> list[
             h += run
             w += run
             pos += size
-        else:
-            rows, cols = size
+            continue
+        frames, rows, cols, interval = (1, *size, 1) if kind == "image" else size
+        for i in range(frames):
             for r in range(rows):
-                t += [pos] * cols
+                t += [pos + int(i * interval)] * cols  # transformers: (arange(t) * interval).long(), a truncation
                 h += [pos + r] * cols
                 w += range(pos, pos + cols)
-            pos += max(rows, cols)
+        pos += max(rows, cols)
     return [t, h, w]
 
 
@@ -100,13 +118,21 @@ class Qwen2VLSpec(ModelSpec):
     model_class = "Qwen2VLForConditionalGeneration"
     # Qwen2-VL's preprocessor_config.json (the same for Qwen2.5-VL): a config.json read without one gets these
     published_pixels = (3136, 12845056)  # 56 * 56; 16384 * 28 * 28 (transformers' class default is 1280 * 28 * 28)
+    # Qwen2VLVideoProcessor's class defaults (size.shortest_edge / longest_edge, transformers 5.17-5.24), qwen-vl-utils'
+    # VIDEO_MIN_PIXELS / VIDEO_MAX_PIXELS too: px per frame, 128 and 768 tokens' worth
+    video_pixels = (128 * 28 * 28, 768 * 28 * 28)
+    video_fps = 2.0  # frames per second the processor assumes (its default): Qwen2.5-VL's M-RoPE time step reads it
+    reads_video_preprocessor = True
 
     def __init__(self, name: str, image_size: int, min_pixels: int, max_pixels: int, token_ids: dict,
-                 vision: dict, text: dict, tie_word_embeddings: bool, attn_implementation: str = "sdpa"):
+                 vision: dict, text: dict, tie_word_embeddings: bool, attn_implementation: str = "sdpa",
+                 video_min_pixels: int | None = None, video_max_pixels: int | None = None):
         self.name = name
         self.native_image_size = image_size  # Qwen2-VL has no native size (dynamic resolution): the default side
         self.min_pixels = min_pixels
         self.max_pixels = max_pixels
+        self.video_min_pixels = video_min_pixels or self.video_pixels[0]
+        self.video_max_pixels = video_max_pixels or self.video_pixels[1]
         self.token_ids = dict(token_ids)
         self.vision = dict(vision)
         self.text = dict(text)
@@ -115,25 +141,36 @@ class Qwen2VLSpec(ModelSpec):
         self.factor = self.vision["patch_size"] * self.vision["spatial_merge_size"]
 
     @classmethod
-    def from_hf_config(cls, raw: dict, *, name: str, attn_implementation: str, preprocessor: dict | None):
+    def from_hf_config(cls, raw: dict, *, name: str, attn_implementation: str, preprocessor: dict | None,
+                       video_preprocessor: dict | None = None):
         """The spec of a model's config.json (`raw`), read through transformers' own config class (which
         accepts both the flat layout of the Hub's configs and the nested one newer versions save, and the
-        legacy rope_scaling), and of its preprocessor_config.json where there is one (pixel bounds)."""
+        legacy rope_scaling), and of its preprocessor_config.json where there is one (pixel bounds). Video
+        bounds as transformers 5.24's video processor loader finds them: video_preprocessor_config.json, else
+        preprocessor_config.json (the image bounds: a folder without the video file gives videos those), else
+        the class defaults."""
         import transformers
 
         config = getattr(transformers, cls.config_class)(**raw)
         text, vision = config.text_config, config.vision_config
         low, high = pixel_bounds_of(preprocessor or {}, cls.published_pixels)
+        video_low, video_high = pixel_bounds_of(video_preprocessor or preprocessor or {}, cls.video_pixels)
         return cls(name=name, image_size=DEFAULT_IMAGE_SIZE, min_pixels=low, max_pixels=high,
+                   video_min_pixels=video_low, video_max_pixels=video_high,
                    token_ids={"bos_token_id": text.bos_token_id, "eos_token_id": text.eos_token_id,
                               **{k: getattr(config, k) for k in TOKEN_KEYS}},
                    vision=hyperparameters(vision), text=hyperparameters(text),
                    tie_word_embeddings=config.tie_word_embeddings, attn_implementation=attn_implementation)
 
-    def vision_inputs(self, grids: list[tuple[int, int]], device: torch.device) -> dict:
-        """Extra forward inputs the vision tower needs for images of these (rows, cols) patch grids: none
-        here (a hook for Qwen2.5-VL's window index)."""
+    def vision_inputs(self, grids: list[tuple[int, int]], device: torch.device, modality: str = "image") -> dict:
+        """Extra forward inputs the vision tower needs for the frames of these (rows, cols) patch grids (one per
+        image, or per temporal patch of a video), named for their `modality`: none here (a hook for Qwen2.5-VL's
+        window index)."""
         return {}
+
+    def video_time_interval(self) -> float:
+        """M-RoPE temporal step between a video's temporal patches: Qwen2-VL counts them (1)."""
+        return 1.0
 
     # -- image geometry -------------------------------------------------------------------------------
     def pixel_bounds(self, data: DataShape) -> tuple[int, int]:
@@ -150,20 +187,44 @@ class Qwen2VLSpec(ModelSpec):
 
     def grid(self, data: DataShape) -> tuple[int, int]:
         """(rows, cols) of 14 px patches of one resized image."""
-        size = self.image_size(data)
+        return self._resized(self.image_size(data), "image_size", *self.pixel_bounds(data))
+
+    def video_size(self, data: DataShape) -> int:
+        """Pixels per frame side this point asks for (the default image side where data.video_size is null)."""
+        return data.video_size or self.native_image_size
+
+    def video_grid(self, data: DataShape) -> tuple[int, int, int]:
+        """(temporal patches, rows, cols) of one video: its frames padded to a multiple of temporal_patch_size
+        (the processor repeats the last), each resized within the video bounds."""
+        low = data.video_min_pixels or self.video_min_pixels
+        high = data.video_max_pixels or self.video_max_pixels
+        step = self.vision["temporal_patch_size"]
+        if data.video_total_pixels:  # the per-frame cap lowered to an even share of the video's budget
+            high = max(min(high, data.video_total_pixels * step // data.video_frames), int(low * 1.05))
+        if high < self.factor**2:
+            raise ConfigError(f"data.video_max_pixels={high} is not allowed for {self.name}: a frame is at least one "
+                              f"{self.factor} x {self.factor} px block, so it must be at least {self.factor**2}")
+        if low > high:
+            raise ConfigError(f"data.video_min_pixels={low} is not allowed for {self.name}: it must not exceed "
+                              f"the per-frame cap {high}")
+        rows, cols = self._resized(self.video_size(data), "video_size", low, high)
+        return -(-data.video_frames // step), rows, cols
+
+    def _resized(self, size: int, field: str, low: int, high: int) -> tuple[int, int]:
+        """(rows, cols) of 14 px patches of a `size` px square image or frame resized within [low, high] px."""
         if size < self.factor:
             # Qwen2VLImageProcessor's smart_resize refused a side below `factor` ("height:.. or width:.. must
             # be larger than factor:28", transformers 4.45-4.52). 4.53 and later (the 5.x admitted here) drop
             # the check and upsample such an image to min_pixels, so a row for it would describe an image
             # the model never sees at that size.
-            raise ConfigError(f"data.image_size={size} is not allowed for {self.name}: a side must be at least "
+            raise ConfigError(f"data.{field}={size} is not allowed for {self.name}: a side must be at least "
                               f"{self.factor} px, one {self.vision['patch_size']} px patch x merge "
                               f"{self.vision['spatial_merge_size']} (Qwen2VLImageProcessor's smart_resize: \"must be "
                               f"larger than factor:{self.factor}\"; transformers >= 4.53 upsamples it instead)")
         try:
-            height, width = smart_resize(size, size, self.factor, *self.pixel_bounds(data))
+            height, width = smart_resize(size, size, self.factor, low, high)
         except ValueError as exc:  # the processor's own refusal (aspect ratio above 200)
-            raise ConfigError(f"data.image_size={size} is not allowed for {self.name}: Qwen2VLImageProcessor's "
+            raise ConfigError(f"data.{field}={size} is not allowed for {self.name}: Qwen2VLImageProcessor's "
                               f"smart_resize refuses it: {exc}") from None
         patch = self.vision["patch_size"]
         return height // patch, width // patch
@@ -172,10 +233,17 @@ class Qwen2VLSpec(ModelSpec):
         rows, cols = self.grid(data)
         return data.images_per_sample * rows * cols // self.vision["spatial_merge_size"] ** 2
 
+    def video_tokens(self, data: DataShape) -> int:
+        if not data.videos_per_sample:
+            return 0
+        frames, rows, cols = self.video_grid(data)
+        return data.videos_per_sample * frames * rows * cols // self.vision["spatial_merge_size"] ** 2
+
     size_decides_tokens = True
 
     def prompt_framing(self, data: DataShape) -> tuple[int, str]:
-        return 2 * data.images_per_sample, " plus 2 vision markers each"  # vision_start / vision_end
+        # vision_start / vision_end around each image and each video
+        return 2 * (data.images_per_sample + data.videos_per_sample), " plus 2 vision markers each"
 
     # -- model ----------------------------------------------------------------------------------------
     def config(self):
@@ -206,6 +274,15 @@ class Qwen2VLSpec(ModelSpec):
             input_ids += [ids["vision_start_token_id"]] + [ids["image_token_id"]] * per_image + [ids["vision_end_token_id"]]
             types += [0] + [1] * per_image + [0]
             layout += [("text", 1), ("image", (rows, cols)), ("text", 1)]
+        if data.videos_per_sample:
+            frames, v_rows, v_cols = self.video_grid(data)
+            v_rows, v_cols = v_rows // merge, v_cols // merge
+            per_video = frames * v_rows * v_cols
+            for _ in range(data.videos_per_sample):
+                input_ids += ([ids["vision_start_token_id"]] + [ids["video_token_id"]] * per_video
+                              + [ids["vision_end_token_id"]])
+                types += [0] + [2] * per_video + [0]
+                layout += [("text", 1), ("video", (frames, v_rows, v_cols, self.video_time_interval())), ("text", 1)]
         n_text = data.lm_max_length - len(input_ids)
         input_ids += filler_text(n_text, text_vocab)
         types += [0] * n_text
@@ -220,6 +297,8 @@ class Qwen2VLSpec(ModelSpec):
         b = data.batch_size
         rows, cols = self.grid(data)
         n_images = b * data.images_per_sample
+        frames, v_rows, v_cols = self.video_grid(data) if data.videos_per_sample else (0, 0, 0)
+        n_videos = b * data.videos_per_sample
         patch_values = (self.vision["in_channels"] * self.vision["temporal_patch_size"]
                         * self.vision["patch_size"] ** 2)
 
@@ -228,16 +307,27 @@ class Qwen2VLSpec(ModelSpec):
         # one value per patch as well: Qwen3-VL's vision tower repeats each image's grid size per patch
         # (repeat_interleave, whose output size fake tensors know only from constants) to resample its
         # position table.
-        release = hold_constant_limit(max(b * data.lm_max_length, n_images * rows * cols))
+        release = hold_constant_limit(max(b * data.lm_max_length, n_images * rows * cols,
+                                          n_videos * frames * v_rows * v_cols))
         batch = {
             "input_ids": constant_tensor([input_ids] * b, device),
             "labels": constant_tensor([labels] * b, device),
             "mm_token_type_ids": constant_tensor([types] * b, device),
             "position_ids": constant_tensor([[row] * b for row in positions], device),  # (3, B, L)
-            "image_grid_thw": constant_tensor([[1, rows, cols]] * n_images, device),
-            "pixel_values": torch.randn(n_images * rows * cols, patch_values, dtype=torch.float32, device=device),
-            **self.vision_inputs([(rows, cols)] * n_images, device),
         }
+        if n_images:
+            batch.update({
+                "image_grid_thw": constant_tensor([[1, rows, cols]] * n_images, device),
+                "pixel_values": torch.randn(n_images * rows * cols, patch_values, dtype=torch.float32, device=device),
+                **self.vision_inputs([(rows, cols)] * n_images, device),
+            })
+        if n_videos:  # what the video processor returns: float32 patches, one (t, rows, cols) row per video
+            batch.update({
+                "video_grid_thw": constant_tensor([[frames, v_rows, v_cols]] * n_videos, device),
+                "pixel_values_videos": torch.randn(n_videos * frames * v_rows * v_cols, patch_values,
+                                                   dtype=torch.float32, device=device),
+                **self.vision_inputs([(v_rows, v_cols)] * (n_videos * frames), device, "video"),
+            })
         release_with(batch["input_ids"], release)
         return batch
 
@@ -262,7 +352,10 @@ class Qwen2VLSpec(ModelSpec):
         positions = self._sample(data)[3]
         delta = max(max(row) for row in positions) + 1 - len(positions[0])  # next position - length
         deltas = constant_tensor([[delta]] * data.batch_size, device)
-        window = {k: batch.pop(k) for k in list(batch) if k.startswith("image_") and k != "image_grid_thw"}
+        # the towers' own inputs (Qwen2.5-VL's window index): each get_*_features keeps its modality's
+        # (transformers' accepts_precomputed_kwargs drops the other's)
+        window = {k: batch.pop(k) for k in list(batch)
+                  if k.startswith(("image_", "video_")) and k not in ("image_grid_thw", "video_grid_thw")}
         position_ids = batch.pop("position_ids")
         batch.pop("labels")
 
@@ -271,10 +364,11 @@ class Qwen2VLSpec(ModelSpec):
             inner = model.model
             inner.get_rope_index = lambda input_ids, **_: (position_ids, deltas)
             inner.get_image_features = functools.partial(inner.get_image_features, **window)
+            inner.get_video_features = functools.partial(inner.get_video_features, **window)
             try:
                 yield
-            finally:
-                del inner.get_rope_index, inner.get_image_features  # back to the class's methods
+            finally:  # back to the class's methods
+                del inner.get_rope_index, inner.get_image_features, inner.get_video_features
                 inner.rope_deltas = None
 
         return batch, context()

@@ -22,12 +22,17 @@ What differs is inside the model, and runs as the model runs it (no input of its
   (vlmprobe/models/fake_constants.py), so the gathers have known sizes under fake tensors.
 - LM: Qwen3 (per-head RMSNorm on q and k, no q/k/v bias).
 
+Videos are refused: Qwen3VLProcessor writes each temporal patch's timestamp ("<1.5 seconds>") as text before
+its tokens, and how many tokens that text takes only the model's tokenizer can say.
+
 Towers: the merger and the DeepStack projectors live inside `visual`, so they go with the vision tower
 (frozen with it), as for Qwen2-VL's merger.
 """
 
 from __future__ import annotations
 
+from vlmprobe.errors import ConfigError
+from vlmprobe.models.base import DataShape
 from vlmprobe.models.qwen2_vl import Qwen2VLSpec
 
 
@@ -39,3 +44,12 @@ class Qwen3VLSpec(Qwen2VLSpec):
     # Qwen/Qwen3-VL-8B-Instruct's preprocessor_config.json: size.shortest_edge 65536 (256 * 256), size.longest_edge
     # 16777216 (4096 * 4096)
     published_pixels = (65536, 16777216)
+
+    def video_tokens(self, data: DataShape) -> int:
+        # Qwen3VLProcessor writes each temporal patch's timestamp as text ("<1.5 seconds>") before its tokens: a
+        # count only the model's tokenizer gives, which vlmprobe does not have (no hub access, nothing downloaded)
+        if data.videos_per_sample:
+            raise ConfigError(f"data.videos_per_sample={data.videos_per_sample} is not allowed for {self.name}: "
+                              f"Qwen3-VL writes every frame's timestamp into the prompt as text that only its "
+                              f"tokenizer can count; videos are modelled for Qwen2-VL and Qwen2.5-VL; use 0")
+        return 0
