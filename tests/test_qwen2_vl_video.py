@@ -192,6 +192,8 @@ def test_a_video_point_runs_the_grpo_step_as_a_real_run_does(point):
 @pytest.mark.parametrize("overrides,message", [
     (["model=llava_tiny", "data.videos_per_sample=1", "data.video_frames=4"],
      r"^data\.videos_per_sample=1 is not allowed for llava_tiny: videos are modelled for Qwen2-VL and Qwen2\.5-VL"),
+    (["model=internvl_tiny", "data.images_per_sample=0", "data.videos_per_sample=2", "data.video_frames=4"],
+     r"^data\.videos_per_sample=2 is not allowed for internvl_tiny: videos are modelled for Qwen2-VL and Qwen2\.5-VL"),
     (["model=qwen3_vl_tiny", "data.videos_per_sample=1", "data.video_frames=4"],
      r"^data\.videos_per_sample=1 is not allowed for qwen3_vl_tiny: Qwen3-VL writes every frame's timestamp"),
     (["model=qwen2_vl_tiny", "data.videos_per_sample=1"],

@@ -124,7 +124,7 @@ class ModelSpec(abc.ABC):
     def validate(self, data: DataShape) -> None:
         """Raise ConfigError (one line) if this model cannot run `data`; cheap, no torch work: the prompt must
         hold the images, their framing and at least one text token."""
-        tokens = self.image_tokens(data) + self.video_tokens(data)
+        tokens = self.video_tokens(data) + self.image_tokens(data)  # videos first: a family without them says so
         framing, named = self.prompt_framing(data)
         needed = tokens + framing + 1
         if data.lm_max_length < needed:
