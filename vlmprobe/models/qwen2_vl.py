@@ -13,7 +13,7 @@ attention_mask is None: every sample fills lm_max_length, and a mask would make 
 (B, 1, L, L) tensor for fake tensors that a CUDA run without padding never allocates. The loss is the
 model's own (`labels=` -> outputs.loss: logits upcast to fp32, shifted cross-entropy, mean over labels).
 
-Videos (`data.videos_per_sample` > 0; Qwen2VLVideoProcessor, transformers 5.17-5.24, the processor of both
+Videos (`data.videos_per_sample` > 0; Qwen2VLVideoProcessor, transformers 5.24 as read, the processor of both
 Qwen2-VL and Qwen2.5-VL): each video's `data.video_frames` square frames of `data.video_size` px are resized by the
 same smart_resize within the video bounds (128 x 28 x 28 to 768 x 28 x 28 px per frame, the class defaults and
 qwen-vl-utils' VIDEO_MIN/MAX_PIXELS; with `data.video_total_pixels` the cap is lowered as the processor's
@@ -118,7 +118,7 @@ class Qwen2VLSpec(ModelSpec):
     model_class = "Qwen2VLForConditionalGeneration"
     # Qwen2-VL's preprocessor_config.json (the same for Qwen2.5-VL): a config.json read without one gets these
     published_pixels = (3136, 12845056)  # 56 * 56; 16384 * 28 * 28 (transformers' class default is 1280 * 28 * 28)
-    # Qwen2VLVideoProcessor's class defaults (size.shortest_edge / longest_edge, transformers 5.17-5.24), qwen-vl-utils'
+    # Qwen2VLVideoProcessor's class defaults (size.shortest_edge / longest_edge, transformers 5.24), qwen-vl-utils'
     # VIDEO_MIN_PIXELS / VIDEO_MAX_PIXELS too: px per frame, 128 and 768 tokens' worth
     video_pixels = (128 * 28 * 28, 768 * 28 * 28)
     video_fps = 2.0  # frames per second the processor assumes (its default): Qwen2.5-VL's M-RoPE time step reads it
