@@ -6,7 +6,6 @@ import pytest
 import torch
 
 from hand_counts import qk_norm_lm_params, siglip_params
-from vlmprobe.errors import ConfigError
 from vlmprobe.models.base import IGNORE_INDEX, DataShape, count_params
 
 CPU = torch.device("cpu")
@@ -75,18 +74,3 @@ def test_batch_inputs_are_consistent_with_each_other(spec):
     assert (ids[:, 0] == 2).all() and (ids[:, 2] == tiny.boi_token_id).all() and (ids[:, 19] == tiny.eoi_token_id).all()
     assert (labels[:, :prompt] == IGNORE_INDEX).all() and torch.equal(labels[:, prompt:], ids[:, prompt:])
     assert (ids[:, prompt:] < tiny.boi_token_id).all() and batch["pixel_values"].shape == (6, 3, 64, 64)
-
-
-@pytest.mark.parametrize("size", [1, 448, 897])
-def test_an_image_size_the_processor_would_resize_to_896_is_refused(plan_points, size):
-    with pytest.raises(ConfigError, match=rf"data.image_size={size} is not allowed for gemma3_4b: Gemma3ImageProcessor "
-                                          rf"resizes every image to 896 x 896 px"):
-        plan_points(["model=gemma3_4b", f"data.image_size={size}"])
-    (point,) = plan_points(["model=gemma3_4b", "data.image_size=null", "data.lm_max_length=2048"])
-    assert point.inputs["image_size"] == 896 and point.inputs["image_tokens"] == 256
-
-
-def test_a_sequence_too_short_for_the_image_tokens_is_refused(plan_points):
-    with pytest.raises(ConfigError, match=r"data.lm_max_length=261 is too short for gemma3_4b: the images take 256 "
-                                          r"tokens plus 4 markers each and <bos>, so it must be at least 262"):
-        plan_points(["model=gemma3_4b", "data.lm_max_length=261"])

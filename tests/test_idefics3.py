@@ -6,7 +6,6 @@ import pytest
 import torch
 
 from hand_counts import llama_params, siglip_params
-from vlmprobe.errors import ConfigError
 from vlmprobe.models.base import IGNORE_INDEX, DataShape, count_params
 from vlmprobe.models.idefics3 import MAX_IMAGE_SIZE
 
@@ -94,18 +93,3 @@ def test_batch_inputs_are_consistent_with_each_other(spec):
     assert (labels[:, :prompt] == IGNORE_INDEX).all() and torch.equal(labels[:, prompt:], ids[:, prompt:])
     assert not image[:, prompt:].any()
     assert batch["pixel_values"].shape == (3, 10, 3, 32, 32) and batch["pixel_attention_mask"].shape == (3, 10, 32, 32)
-
-
-def test_an_image_size_beyond_the_processors_cap_is_refused(plan_points):
-    with pytest.raises(ConfigError, match=r"data.image_size=4097 is not allowed for smolvlm_256m: Idefics3ImageProcessor "
-                                          r"scales every image down to at most 4096 px per side"):
-        plan_points(["model=smolvlm_256m", "data.image_size=4097", "data.lm_max_length=8192"])
-    (point,) = plan_points(["model=smolvlm_256m", "data.image_size=null", "data.lm_max_length=2048"])
-    assert point.inputs["image_size"] == 2048 and point.inputs["image_tokens"] == 1088
-
-
-def test_a_sequence_too_short_for_the_image_tokens_is_refused(plan_points):
-    # 4 x 4 tiles + global: (64 + 3) + 4 x (4 x (64 + 2) + 1) = 1127 tokens, plus a start token and a text token
-    with pytest.raises(ConfigError, match=r"data.lm_max_length=1024 is too short for smolvlm_256m at 2048 px: the images "
-                                          r"take 1088 tokens plus the processor's tile markers, so it must be at least 1129"):
-        plan_points(["model=smolvlm_256m", "data.lm_max_length=1024"])

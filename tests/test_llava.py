@@ -6,7 +6,6 @@ import pytest
 import torch
 
 from hand_counts import clip_vision_params, llama_params
-from vlmprobe.errors import ConfigError
 from vlmprobe.models.base import IGNORE_INDEX, DataShape, count_params
 
 CPU = torch.device("cpu")
@@ -88,19 +87,3 @@ def test_batch_inputs_are_consistent_with_each_other(spec):
     assert (ids[:, 0] == tiny.text["bos_token_id"]).all() and (ids[:, 33:] < tiny.image_token_id).all()
     assert (labels[:, :33] == IGNORE_INDEX).all() and torch.equal(labels[:, 33:], ids[:, 33:])
     assert batch["pixel_values"].shape == (6, 3, 56, 56)
-
-
-@pytest.mark.parametrize("size", [1, 224, 337, 672])
-def test_an_image_size_the_processor_would_crop_to_336_is_refused(plan_points, size):
-    with pytest.raises(ConfigError, match=rf"data.image_size={size} is not allowed for llava_1_5_7b: its processor "
-                                          rf"resizes and center-crops every image to 336 x 336 px"):
-        plan_points(["model=llava_1_5_7b", f"data.image_size={size}", "data.lm_max_length=1024"])
-    for size in (336, None):
-        (point,) = plan_points(["model=llava_1_5_7b", f"data.image_size={size or 'null'}", "data.lm_max_length=1024"])
-        assert point.inputs["image_size"] == 336 and point.inputs["image_tokens"] == 576
-
-
-def test_a_sequence_too_short_for_the_image_tokens_is_refused(plan_points):
-    with pytest.raises(ConfigError, match=r"data.lm_max_length=577 is too short for llava_1_5_7b: the images take 576 "
-                                          r"tokens plus <s>, so it must be at least 578"):
-        plan_points(["model=llava_1_5_7b", "data.lm_max_length=577"])

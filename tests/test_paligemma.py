@@ -121,21 +121,6 @@ def test_the_prefix_attends_both_ways_and_only_the_suffix_is_learned(spec):
     assert (ids[:, prefix:] < tiny.image_token_id).all() and batch["pixel_values"].shape == (6, 3, 32, 32)
 
 
-@pytest.mark.parametrize("size", [1, 448, 896])
-def test_an_image_size_the_processor_would_resize_to_224_is_refused(plan_points, size):
-    with pytest.raises(ConfigError, match=rf"data.image_size={size} is not allowed for paligemma2_3b_224: "
-                                          rf"PaliGemmaProcessor resizes every image to 224 x 224 px"):
-        plan_points(["model=paligemma2_3b_224", f"data.image_size={size}"])
-    (point,) = plan_points(["model=paligemma2_3b_224", "data.image_size=null", "data.lm_max_length=512"])
-    assert point.inputs["image_size"] == 224 and point.inputs["image_tokens"] == 256
-
-
-def test_a_sequence_too_short_for_the_image_tokens_is_refused(plan_points):
-    with pytest.raises(ConfigError, match=r"data.lm_max_length=258 is too short for paligemma2_3b_224: the images take "
-                                          r"256 tokens plus <bos> and the prefix's newline, so it must be at least 259"):
-        plan_points(["model=paligemma2_3b_224", "data.lm_max_length=258"])
-
-
 @pytest.mark.parametrize("attention", ["sdpa", "flash_attention_2"])
 def test_attention_other_than_eager_is_refused_with_the_reason(plan_points, attention):
     with pytest.raises(ConfigError, match=rf"model.attn_implementation='{attention}' is not allowed for "

@@ -206,6 +206,8 @@ def test_a_video_point_runs_the_grpo_step_as_a_real_run_does(point):
      r"^data\.video_frames=0 is not allowed: it must be a positive integer or null$"),
     (["model=qwen2_vl_tiny", "data.videos_per_sample=1", "data.video_frames=4", "data.video_max_pixels=700"],
      r"^data\.video_max_pixels=700 is not allowed for qwen2_vl_tiny: a frame is at least one 28 x 28 px block"),
+    (["model=qwen2_vl_tiny", "data.videos_per_sample=1", "data.video_frames=4", "data.video_min_pixels=700000"],
+     r"^data\.video_min_pixels=700000 is not allowed for qwen2_vl_tiny: it must not exceed video_max_pixels=602112$"),
     (["model=qwen2_vl_tiny", "data.videos_per_sample=1", "data.video_frames=4", "data.video_size=20"],
      r"^data\.video_size=20 is not allowed for qwen2_vl_tiny: a side must be at least 28 px"),
     (["model=qwen2_vl_tiny", "data.videos_per_sample=1", "data.video_frames=16", "data.video_size=448",

@@ -109,9 +109,6 @@ def test_an_image_side_below_one_32_px_block_is_refused(plan_points, size):
 def test_the_native_448_px_image_is_196_tokens_of_the_8b(plan_points):
     (point,) = plan_points(["model=qwen3_vl_8b", "data.lm_max_length=1024"])
     assert point.inputs["image_tokens"] == 196 and point.inputs["params"] == 8_767_123_696
-    with pytest.raises(ConfigError, match=r"data.lm_max_length=198 is too short for qwen3_vl_8b at 448 px: the images "
-                                          r"take 196 tokens plus 2 vision markers each, so it must be at least 199"):
-        plan_points(["model=qwen3_vl_8b", "data.lm_max_length=198"])
 
 
 @pytest.mark.slow  # about 40 s: a GRPO step on each backend and a token-by-token rollout

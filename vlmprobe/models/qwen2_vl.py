@@ -174,15 +174,18 @@ class Qwen2VLSpec(ModelSpec):
 
     # -- image geometry -------------------------------------------------------------------------------
     def pixel_bounds(self, data: DataShape) -> tuple[int, int]:
-        """(min_pixels, max_pixels) for this point; raises ConfigError for bounds no image can meet."""
-        low = data.min_pixels or self.min_pixels
-        high = data.max_pixels or self.max_pixels
+        """(min_pixels, max_pixels) per image for this point; raises ConfigError for bounds no image can meet."""
+        return self._checked(data.min_pixels or self.min_pixels, data.max_pixels or self.max_pixels, "", "an image")
+
+    def _checked(self, low: int, high: int, prefix: str, what: str) -> tuple[int, int]:
+        """(low, high) px per image or frame, or a ConfigError naming data.{prefix}min/max_pixels where no
+        resized image can lie between them."""
         if high < self.factor**2:
-            raise ConfigError(f"data.max_pixels={high} is not allowed for {self.name}: an image is at least one "
+            raise ConfigError(f"data.{prefix}max_pixels={high} is not allowed for {self.name}: {what} is at least one "
                               f"{self.factor} x {self.factor} px block, so it must be at least {self.factor**2}")
         if low > high:
-            raise ConfigError(f"data.min_pixels={low} is not allowed for {self.name}: it must not exceed "
-                              f"max_pixels={high}")
+            raise ConfigError(f"data.{prefix}min_pixels={low} is not allowed for {self.name}: it must not exceed "
+                              f"{prefix}max_pixels={high}")
         return low, high
 
     def grid(self, data: DataShape) -> tuple[int, int]:
@@ -201,13 +204,7 @@ class Qwen2VLSpec(ModelSpec):
         step = self.vision["temporal_patch_size"]
         if data.video_total_pixels:  # the per-frame cap lowered to an even share of the video's budget
             high = max(min(high, data.video_total_pixels * step // data.video_frames), int(low * 1.05))
-        if high < self.factor**2:
-            raise ConfigError(f"data.video_max_pixels={high} is not allowed for {self.name}: a frame is at least one "
-                              f"{self.factor} x {self.factor} px block, so it must be at least {self.factor**2}")
-        if low > high:
-            raise ConfigError(f"data.video_min_pixels={low} is not allowed for {self.name}: it must not exceed "
-                              f"the per-frame cap {high}")
-        rows, cols = self._resized(self.video_size(data), "video_size", low, high)
+        rows, cols = self._resized(self.video_size(data), "video_size", *self._checked(low, high, "video_", "a frame"))
         return -(-data.video_frames // step), rows, cols
 
     def _resized(self, size: int, field: str, low: int, high: int) -> tuple[int, int]:
