@@ -36,7 +36,6 @@ from vlmprobe.script_args import options, positive_ints
 from vlmprobe.worker import DTYPES, build_spec, built, measure
 
 
-
 def points(length: int, batch_sizes: list[int], card: str, model: str | None) -> list[dict]:
     axes = [f"sweep.axes.data.batch_size=[{','.join(map(str, batch_sizes))}]",
             f"sweep.axes.data.lm_max_length=[{length}]"]
@@ -119,9 +118,8 @@ def main() -> None:
                          "one - fresh MiB":
                              None if None in (alone[b], together[b]) else (together[b] - alone[b]) / MiB})
         if {check.SLOPE_FROM, check.SLOPE_TO} <= set(batch_sizes):
-            slopes.append({"lm_max_length": length, **{
-                f"{k} MiB": None if (s := check.per_sample({(b, length): v[b] for b in v}, length)) is None
-                else s / MiB for k, v in figures.items()}})
+            per = {k: check.per_sample({(b, length): v[b] for b in v}, length) for k, v in figures.items()}
+            slopes.append({"lm_max_length": length, **{f"{k} MiB": None if s is None else s / MiB for k, s in per.items()}})
     print(f"## Peak allocated, device={args.device} (estimate: backend estimate, no GPU; published: CUDA, RTX 3090;"
           f" MiB = 1024^2 B)\n")
     print((pd.DataFrame(rows).round(1) + 0.0).to_markdown(index=False), "\n")  # + 0.0: no "-0"

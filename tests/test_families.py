@@ -9,7 +9,7 @@ from hydra.utils import instantiate
 
 from conftest import real_run_that_agrees
 from vlmprobe.errors import ConfigError
-from vlmprobe.models.base import count_params
+from vlmprobe.models.base import DataShape, count_params
 from vlmprobe.worker import measure
 
 FAMILIES = {  # tiny config -> data that fits it (the images take 16 tokens in each, 20 in
@@ -124,6 +124,17 @@ def test_one_real_step_trains_every_parameter_the_forward_uses(compose, family):
     assert torch.isfinite(loss) and outputs.logits.shape == (2, 48, spec.text["vocab_size"])
     no_grad = {name for name, p in model.named_parameters() if p.grad is None}
     assert no_grad == {n for n, _ in model.named_parameters() if n.startswith(UNUSED.get(family, ("-",)))}
+
+
+# families whose get_image_features takes the pixels alone: tiny side px -> one feature row per image token
+@pytest.mark.parametrize("family,side,tokens", [("gemma3_tiny", 64, 16), ("paligemma_tiny", 32, 16)])
+def test_image_tokens_are_what_the_models_image_features_have(compose, family, side, tokens):
+    spec = instantiate(compose([f"model={family}"]).model, _convert_="all")
+    model = spec.build("cpu", torch.float32)
+    with torch.no_grad():
+        features = model.model.get_image_features(torch.randn(2, 3, side, side)).pooler_output
+    assert features.shape[:2] == (2, spec.image_tokens(DataShape(1, 64))) == (2, tokens)
+    assert spec.image_tokens(DataShape(1, 64, images_per_sample=2)) == 2 * tokens
 
 
 @pytest.mark.parametrize("family", FAMILIES)

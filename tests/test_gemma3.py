@@ -54,15 +54,6 @@ def test_pixel_values_have_the_shape_the_real_image_processor_gives(spec):
         assert ours["pixel_values"].dtype == real["pixel_values"].dtype
 
 
-def test_image_tokens_are_what_the_models_image_features_have(spec):
-    tiny = spec("gemma3_tiny")
-    model = tiny.build("cpu", torch.float32)
-    with torch.no_grad():
-        features = model.model.get_image_features(torch.randn(2, 3, 64, 64)).pooler_output
-    assert features.shape[:2] == (2, tiny.image_tokens(DataShape(1, 64))) == (2, 16)
-    assert spec("gemma3_4b").image_tokens(DataShape(1, 2048, images_per_sample=2)) == 512
-
-
 def test_batch_inputs_are_consistent_with_each_other(spec):
     tiny = spec("gemma3_tiny")
     batch = tiny.batch(DataShape(batch_size=3, lm_max_length=64, images_per_sample=2), CPU)

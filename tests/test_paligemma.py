@@ -68,15 +68,6 @@ def test_pixel_values_have_the_shape_the_real_image_processor_gives(spec):
     assert ours["pixel_values"].dtype == real["pixel_values"].dtype
 
 
-def test_image_tokens_are_what_the_models_image_features_have(spec):
-    tiny = spec("paligemma_tiny")
-    model = tiny.build("cpu", torch.float32)
-    with torch.no_grad():
-        features = model.model.get_image_features(torch.randn(2, 3, 32, 32)).pooler_output
-    assert features.shape[:2] == (2, tiny.image_tokens(DataShape(1, 48))) == (2, 16)
-    assert spec("paligemma2_3b_224").image_tokens(DataShape(1, 2048, images_per_sample=2)) == 2 * (224 // 14) ** 2
-
-
 def test_the_prefix_is_laid_out_as_the_real_processor_lays_it_out(spec):
     """PaliGemmaProcessor itself (a SigLIP image processor at the tiny tower's size and a word-level tokenizer built
     offline, whose ids stand for Gemma's) on an image, an empty prompt and a suffix: the same prefix (the image

@@ -21,8 +21,9 @@ What matters for memory, and is reproduced here (behaviour, written independentl
   to a local lives until that call returns), and the order its modules are made in (the order of
   parameters(), which the optimizer's foreach kernels follow).
 Not reproduced: dropout layers (p = 0 there); with pure bf16 weights (no autocast) cos and sin are cast to the
-weights' dtype, where nanoVLM's code leaves them fp32 and its SDPA call fails (q, k fp32 against a bf16 v). The LM's linear layers carry nanoVLM's names (q/k/v/out_proj,
-gate/up/down_proj: LoRA's target_modules match them); the modules holding them do not. Parameter counts are
+weights' dtype, where nanoVLM's code leaves them fp32 and its SDPA call fails (q, k fp32 against a bf16 v). The
+LM's linear layers carry nanoVLM's names (q/k/v/out_proj, gate/up/down_proj: LoRA's target_modules match them);
+the modules holding them do not. Parameter counts are
 nanoVLM's (nanoVLM-222M: 222,083,328 with 3 added tokens). scripts/check_nanovlm_code.py runs nanoVLM's own
 code beside this through the same step: 0 B apart in every figure of the seq_len sweep (estimate).
 With model.source (a nanoVLM checkout), nanoVLM's own modules run instead (vlmprobe.models.nanovlm_source).
