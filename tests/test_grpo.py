@@ -1,6 +1,6 @@
 """step=grpo on the tiny Qwen2.5-VL, in-process: the estimate against a real run of the same program on the
 cpu backend, the fast rollout against the token-by-token one, each knob's effect on the phases, the KV cache
-against its hand-computed size. scripts/check_grpo_trl.py checks the step against TRL's own GRPOTrainer."""
+against its hand-computed size. scripts/check_trl.py checks the step against TRL's own GRPOTrainer."""
 
 import pytest
 import torch
@@ -168,12 +168,12 @@ def test_a_sharded_points_processes_are_its_ranks_in_the_planner_and_the_worker_
 def test_vlm_r1_full_sequence_log_probs_equal_trl_0_17s_on_real_tensors():
     from vlmprobe.models.base import DataShape
     from vlmprobe.steps import logprob
-    from vlmprobe.steps.grpo import policy_batch
+    from vlmprobe.steps.common import completion_batch
 
     spec = instantiate(OmegaConf.load(CONF / "model" / "qwen2_5_vl_tiny.yaml"), _convert_="all")
     torch.manual_seed(0)
     model = spec.build(torch.device("cpu"), torch.float32).eval()
-    batch = policy_batch(spec, 2, DataShape(batch_size=2, lm_max_length=40), 16, torch.device("cpu"))
+    batch = completion_batch(spec, 2, DataShape(batch_size=2, lm_max_length=40), 16, torch.device("cpu"))
     with torch.no_grad():
         full, _ = logprob.full_sequence(model, batch, 16)
         kept, _ = logprob.logits_to_keep(model, batch, 16)

@@ -282,7 +282,9 @@ def validate_point(cfg: dict, point: Point) -> tuple[dict, str | None]:
         "device": profile.key if profile else None,
         "step": cfg["step"]["name"],
         **({"num_generations": step.num_generations, "max_completion_length": step.max_completion_length,
-            "beta": step.beta, "use_vllm": step.use_vllm,
+            "beta": step.beta, "use_vllm": step.use_vllm} if cfg["step"]["name"] == "grpo" else {}),
+        **({"completion_length": step.completion_length} if cfg["step"]["name"] == "dpo" else {}),
+        **({"reference": step.reference,
             "logits_path": step.logits + ("" if step.logits != "chunked" or step.compact else "(all positions)")}
            if step else {}),
         "attn_implementation": cfg["model"].get("attn_implementation"),
@@ -297,25 +299,25 @@ def validate_point(cfg: dict, point: Point) -> tuple[dict, str | None]:
                     or dist_options.skip_reason(cfg["dist"], measure["backend"]))
 
 
-STEPS = ("sft", "grpo")
+STEPS = ("sft", "grpo", "dpo")
 
 
 def validate_step(cfg: dict, data, spec):
-    """The step's settings (GRPOSettings for grpo, None for sft); one ConfigError line for a bad value."""
+    """The step's settings (vlmprobe.worker.step_settings: None for sft); one ConfigError line for a bad value."""
+    from vlmprobe.worker import step_settings
+
     name = cfg["step"]["name"]
     if name not in STEPS:
-        raise ConfigError(f"step.name={name!r} is not allowed: use one of {', '.join(STEPS)} (step=sft | step=grpo)")
-    if name == "sft":
-        return None
-    from vlmprobe.steps.grpo import GRPOSettings
-
-    settings = GRPOSettings.from_point(cfg, data, spec)
-    if cfg["dist"]["name"] == "zero3" and settings.logits == "chunked":
+        raise ConfigError(f"step.name={name!r} is not allowed: use one of {', '.join(STEPS)} (step=sft | step=grpo | "
+                          f"step=dpo)")
+    settings = step_settings(cfg, data, spec)
+    if cfg["dist"]["name"] == "zero3" and settings is not None and settings.logits == "chunked":
         # TRL gathers the ZeRO-3 partitioned head around its kernel (maybe_gather_lm_head_ctx), in forward
         # and again in backward; vlmprobe's kernel does not
-        raise ConfigError("step.logits=chunked is not allowed with dist=zero3: TRL's fused LM head gathers the "
-                          "partitioned head itself, which is not modelled; use step.logits=logits_to_keep (TRL 0.17) or "
-                          "full_sequence (VLM-R1's own trainer)")
+        other = ("logits_to_keep (TRL 0.17) or full_sequence (VLM-R1's own trainer)" if name == "grpo"
+                 else "full_fp32 (LLaMA-Factory's trainer)")
+        raise ConfigError(f"step.logits=chunked is not allowed with dist=zero3: TRL's fused LM head gathers the "
+                          f"partitioned head itself, which is not modelled; use step.logits={other}")
     return settings
 
 

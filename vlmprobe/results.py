@@ -19,7 +19,9 @@ INPUT_COLUMNS = [
     "videos_per_sample", "video_frames", "video_size", "video_max_pixels", "video_tokens",  # empty without videos
     "grad_ckpt_lm", "grad_ckpt_vision", "freeze_vision", "freeze_lm", "lora_r", "quantization",
     "dist", "world_size", "device",
-    "step", "num_generations", "max_completion_length", "beta", "use_vllm", "logits_path",  # step=grpo (empty for sft)
+    "step", "num_generations", "max_completion_length", "beta", "use_vllm",  # step=grpo (empty otherwise)
+    "completion_length",  # step=dpo: tokens of the chosen and of the rejected completion (empty otherwise)
+    "reference", "logits_path",  # step=grpo and step=dpo: whether a frozen reference scores the rows; the logits path
     "attn_implementation", "alloc_conf", "hold_outputs", "steps",
 ]
 OUTPUT_COLUMNS = [
@@ -40,7 +42,7 @@ OUTPUT_COLUMNS = [
     # offload to the CPU on estimate/cpu: host memory this rank holds (offloaded partitions, optimizer state, host
     # grads), outside every device figure; its peak over the point (load included), and after the last step
     "peak_host_bytes", "after_step_host_bytes",
-    "generate_peak_bytes", "reference_peak_bytes",  # step=grpo: the rollout and the reference scoring (empty: absent)
+    "generate_peak_bytes", "reference_peak_bytes",  # step=grpo / dpo: the rollout, the reference scoring (empty: absent)
     "forward_peak_bytes", "backward_peak_bytes", "optimizer_peak_bytes", "peak_phase",
     "params_bytes", "grads_bytes", "optimizer_state_bytes", "optimizer_state_dtype", "activations_bytes",
     "oom_block_bytes",  # oom rows: the block the allocator was asked for (the tensor's bytes rounded up to 512)

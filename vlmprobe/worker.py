@@ -88,30 +88,32 @@ def _measure(point: dict, replay_blocks: bool) -> dict:
             host_memory.enter_context(engine.host_memory())
             model, out["build_peak_bytes"] = backend.load_model(
                 meter, model_key(point), lambda mark: built(spec, engine, train, backend.name, meter, mark))
-            grpo = point["step"]["name"] == "grpo"
-            # the GRPO step makes its own prompt and prompt + completion batches as it goes
-            batch = None if grpo else spec.batch(data, backend.device())
+            step = point["step"]["name"]
+            # GRPO and DPO make their prompt + completion batches themselves
+            batch = spec.batch(data, backend.device()) if step == "sft" else None
             engine.prepare(spec, model, instantiate(point["optimizer"], _convert_="all"))
-            reference = grpo_reference(spec, point, engine) if grpo else None
+            settings = step_settings(point, data, spec)
+            reference = reference_model(spec, point, engine, settings)
             meter.sync()
             out["after_load_bytes"] = meter.current()
             out["load_peak_bytes"] = meter.peaks()["allocated"]  # the build and prepare (the session's start on)
             out["params_bytes"] = engine.params_bytes()
             autocast = backend.autocast(DTYPES.get(train.get("autocast_dtype") or ""))
-            if grpo:
-                from vlmprobe.knobs import adapters_disabled
-                from vlmprobe.steps.grpo import GRPOSettings, grpo_steps
-
-                settings = GRPOSettings.from_point(point, data, spec)
-                grpo_steps(spec, engine, reference, data, backend.device(), meter, point["measure"]["steps"],
-                           autocast, report, train["grad_accum_steps"], settings, lambda: adapters_disabled(engine.model))
-                if settings.use_vllm:
-                    meter.notes.append("use_vllm: a vLLM server generates the completions; no generate phase on this GPU")
-            else:
+            if step == "sft":
                 train_steps(spec, engine, batch, meter, point["measure"]["steps"], autocast, report,
                             accum=train["grad_accum_steps"], hold_outputs=point["measure"]["hold_outputs"],
                             replay=backend.step_replay(meter, engine,
                                                        spec.repeated_blocks(model) if replay_blocks else ()))
+            else:
+                from vlmprobe.knobs import adapters_disabled
+                from vlmprobe.steps.dpo import dpo_steps
+                from vlmprobe.steps.grpo import grpo_steps
+
+                run = grpo_steps if step == "grpo" else dpo_steps
+                run(spec, engine, reference, data, backend.device(), meter, point["measure"]["steps"], autocast, report,
+                    train["grad_accum_steps"], settings, lambda: adapters_disabled(engine.model))
+                if step == "grpo" and settings.use_vllm:
+                    meter.notes.append("use_vllm: a vLLM server generates the completions; no generate phase on this GPU")
         except Exception as exc:
             if not is_out_of_memory(exc):
                 raise
@@ -156,17 +158,31 @@ def built(spec, engine, train: dict, backend_name: str, meter, mark) -> tuple[to
 def model_key(point: dict) -> str | None:
     """What decides the model a point builds, knobs applied: its model and train config, for a backend that keeps
     built models for later points (vlmprobe.estimate.built_models). None where it is not kept: an engine other
-    than the single device's wraps or shards it (dist), GRPO builds a reference model beside it."""
+    than the single device's wraps or shards it (dist), GRPO and DPO build a reference model beside it."""
     if point["dist"]["name"] != "none" or point["step"]["name"] != "sft":
         return None
     return json.dumps([point["model"], point["train"]], sort_keys=True)
 
 
-def grpo_reference(spec, point: dict, engine):
-    """GRPO's frozen reference model: a copy of the policy in its weight dtype (TRL loads it with the policy's
-    model_init_kwargs), no gradients, eval mode, prepared as TRL prepares it beside the engine; None where there is none (beta = 0) or the policy is its own
-    reference (LoRA: TRL disables the adapters)."""
-    if not point["step"]["beta"] or point["train"]["lora_r"]:
+def step_settings(point: dict, data: DataShape, spec):
+    """The step's validated settings: GRPOSettings, DPOSettings, or None for sft."""
+    if point["step"]["name"] == "grpo":
+        from vlmprobe.steps.grpo import GRPOSettings
+
+        return GRPOSettings.from_point(point, data, spec)
+    if point["step"]["name"] == "dpo":
+        from vlmprobe.steps.dpo import DPOSettings
+
+        return DPOSettings.from_point(point, data, spec)
+    return None
+
+
+def reference_model(spec, point: dict, engine, settings):
+    """The frozen reference model of GRPO (beta > 0) and DPO: a copy of the policy in its weight dtype (TRL
+    loads it with the policy's model_init_kwargs), no gradients, eval mode, prepared as TRL prepares it beside
+    the engine; None where there is none or the policy is its own reference (LoRA: both trainers disable the
+    adapters)."""
+    if settings is None or not settings.reference or point["train"]["lora_r"]:
         return None
     model = engine.build(spec, DTYPES[point["train"]["param_dtype"]])
     return engine.prepare_reference(spec, model.requires_grad_(False).eval())

@@ -8,6 +8,7 @@ of all steps is the peak over the whole run (what measure_vram.py's max_memory_a
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import inspect
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -121,3 +122,14 @@ def autocast_factory(device_type: str, dtype: torch.dtype | None):
     if dtype is None:
         return contextlib.nullcontext
     return lambda: torch.autocast(device_type, dtype=dtype)
+
+
+def completion_batch(spec, rows: int, data, completion: int, device) -> dict:
+    """Prompt + completion rows as a trainer's forward gets them (step=grpo, step=dpo), with TRL's labels: the
+    input ids with every prompt position set to -100. `data` (a DataShape) gives the prompt: lm_max_length
+    tokens, its images and videos among them."""
+    batch = spec.batch(dataclasses.replace(data, batch_size=rows, lm_max_length=data.lm_max_length + completion), device)
+    labels = batch["input_ids"].clone()
+    labels[:, :-completion] = -100
+    batch["labels"] = labels
+    return batch

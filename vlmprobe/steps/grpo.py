@@ -33,7 +33,7 @@ import torch
 
 from vlmprobe.errors import ConfigError
 from vlmprobe.steps import logprob
-from vlmprobe.steps.common import Meter, PhaseClock, StepReport
+from vlmprobe.steps.common import Meter, PhaseClock, StepReport, completion_batch
 from vlmprobe.steps.rollout import ROLLOUTS, rollout
 
 if TYPE_CHECKING:  # steps sit below models in the layering: the shape is passed in, never built here
@@ -58,6 +58,11 @@ class GRPOSettings:
     compact: bool
     rollout: str
     ds3_gather_for_generation: bool
+
+    @property
+    def reference(self) -> bool:
+        """Whether a frozen reference scores the completions: TRL builds none at beta 0."""
+        return bool(self.beta)
 
     @classmethod
     def from_point(cls, point: dict, data: "DataShape", spec) -> "GRPOSettings":
@@ -118,7 +123,7 @@ class GRPOSettings:
 
 def log_probs(settings: GRPOSettings, model, batch: dict, completion: int, with_entropy: bool):
     if settings.logits == "chunked":
-        return logprob.chunked(model, batch, completion, settings.compact, with_entropy)
+        return logprob.chunked(model, batch, completion, settings.compact, ("entropy",) if with_entropy else ())[:2]
     if settings.logits == "full_sequence":
         return logprob.full_sequence(model, batch, completion)
     return logprob.logits_to_keep(model, batch, completion)
@@ -135,16 +140,6 @@ def grpo_loss(settings: GRPOSettings, logps, ref_logps, mask, advantages, accum:
         per_token = per_token + settings.beta * kl
     loss = ((per_token * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).mean()
     return loss / accum
-
-
-def policy_batch(spec, rows: int, data: "DataShape", completion: int, device) -> dict:
-    """Prompt + completion rows as the policy's forward gets them, with TRL's labels: the input ids with
-    everything before the completion set to -100."""
-    batch = spec.batch(dataclasses.replace(data, batch_size=rows, lm_max_length=data.lm_max_length + completion), device)
-    labels = batch["input_ids"].clone()
-    labels[:, :-completion] = -100
-    batch["labels"] = labels
-    return batch
 
 
 def grpo_steps(spec, engine, reference, data: "DataShape", device, meter: Meter, steps: int, autocast,
@@ -165,7 +160,7 @@ def grpo_steps(spec, engine, reference, data: "DataShape", device, meter: Meter,
                 rollout(spec, policy, dataclasses.replace(data, batch_size=rows * accum), device, completion,
                         settings.rollout)
             clock.close("generate")
-        batches = [policy_batch(spec, rows, data, completion, device) for _ in range(accum)]
+        batches = [completion_batch(spec, rows, data, completion, device) for _ in range(accum)]
         mask = torch.ones(rows * accum, completion, dtype=torch.int32, device=device).split(rows)
         advantages = torch.zeros(rows * accum, dtype=torch.float32, device=device).split(rows)
         ref_logps = [None] * accum

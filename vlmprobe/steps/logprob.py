@@ -33,30 +33,38 @@ import torch
 TOKEN_CHUNK = 4096  # tokens per projection tile (TOKEN_CHUNK_SIZE)
 VOCAB_CHUNK = 32768  # vocabulary columns per tile (_CHUNKED_LOGPROB_CHUNK_SIZE)
 STATISTICS = 7  # float32 vectors of N the forward keeps while it folds (max, sums, target logit, ...)
+EXTRAS = ("entropy", "mean_logits", "is_top1")  # per-token outputs besides the log-probabilities (TRL's `outputs`)
 LOGITS_PATHS = ("chunked", "logits_to_keep", "full_sequence")
 
 
 class ChunkedLogProb(torch.autograd.Function):
-    """ChunkedLogProbFunction's allocations on CUDA: (log_probs, entropy) of `hidden @ weight.T` at `targets`."""
+    """ChunkedLogProbFunction's allocations on CUDA: the per-token log-probabilities of `hidden @ weight.T` at
+    `targets`, and the `extras` asked for (EXTRAS, each None when not asked for), as its `outputs` argument."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, targets, with_entropy: bool):
+    def forward(ctx, hidden, weight, targets, extras: tuple[str, ...]):
+        # no zeros are made for an output backward gets no gradient for (entropy logged, not in the loss)
+        ctx.set_materialize_grads(False)
         n, device = hidden.shape[0], hidden.device
         compute = torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type) else hidden.dtype
+        # running max, sum exp, x sum exp, sq sum exp, z sum, max before target, target logit
         stats = [torch.zeros(n, device=device, dtype=torch.float32) for _ in range(STATISTICS)]
         buf = torch.empty(min(n, TOKEN_CHUNK), VOCAB_CHUNK, device=device, dtype=compute)
         _project(hidden, weight, compute, buf, lambda tile, rows, cols, chunk, w: None)
         del buf
         log_z = stats[0] + torch.log(stats[1])  # running max + log(sum exp)
         log_probs = stats[6] - log_z  # target logit - log Z
-        entropy = log_z - stats[2] / stats[1] if with_entropy else None
+        entropy = log_z - stats[2] / stats[1] if "entropy" in extras else None
+        mean_logits = stats[4] / weight.shape[0] if "mean_logits" in extras else None
+        is_top1 = (stats[6] >= stats[0]) & (stats[6] > stats[5]) if "is_top1" in extras else None
         del stats
         ctx.save_for_backward(hidden, weight, targets, log_z, log_z if entropy is None else entropy)
+        ctx.mark_non_differentiable(*(x for x in (mean_logits, is_top1) if x is not None))
         ctx.compute = compute
-        return log_probs, entropy
+        return log_probs, entropy, mean_logits, is_top1
 
     @staticmethod
-    def backward(ctx, grad_log_probs, grad_entropy):
+    def backward(ctx, grad_log_probs, grad_entropy, *_):
         hidden, weight, _, _, _ = ctx.saved_tensors
         needs_hidden, needs_weight = ctx.needs_input_grad[:2]
         grad_hidden = torch.zeros(hidden.shape, device=hidden.device, dtype=torch.float32) if needs_hidden else None
@@ -93,12 +101,13 @@ def _project(hidden, weight, compute, buf, fold) -> None:
             fold(tile, rows, cols, hidden_chunk, w_chunk)
 
 
-def chunked(model, batch: dict, completion: int, compact: bool, with_entropy: bool):
-    """(log_probs, entropy) [rows, completion] through TRL's fused LM head: add_fused_lm_head replaces the
-    model's forward, so the call goes through whatever wraps the model (DDP, a DeepSpeed engine, FSDP2's
-    hooks, which gather the root's parameters, the head's among them, for the forward)."""
+def chunked(model, batch: dict, completion: int, compact: bool, extras: tuple[str, ...]):
+    """(log_probs, *extras) [rows, completion] through TRL's fused LM head (extras: among EXTRAS, in that
+    order, each None when not asked for): add_fused_lm_head replaces the model's forward, so the call goes
+    through whatever wraps the model (DDP, a DeepSpeed engine, FSDP2's hooks, which gather the root's
+    parameters, the head's among them, for the forward)."""
     module = unwrapped(model)
-    module.forward = functools.partial(_fused_forward, module, batch["labels"], completion, compact, with_entropy)
+    module.forward = functools.partial(_fused_forward, module, batch["labels"], completion, compact, extras)
     try:
         per_token = model(**{k: v for k, v in batch.items() if k != "labels"})
     finally:
@@ -115,7 +124,7 @@ def unwrapped(model):
     return model.module if isinstance(model, wrappers) else model
 
 
-def _fused_forward(model, labels, completion: int, compact: bool, with_entropy: bool, **inputs):
+def _fused_forward(model, labels, completion: int, compact: bool, extras: tuple[str, ...], **inputs):
     """add_fused_lm_head's forward with fused_lm_head=True: the backbone, then the head over the scored
     positions; per-token values at every position, as the forward returns them (the caller slices)."""
     hidden = model.model(**inputs, attention_mask=None, use_cache=False).last_hidden_state  # (B, L, H)
@@ -126,13 +135,11 @@ def _fused_forward(model, labels, completion: int, compact: bool, with_entropy: 
     else:  # every position: hidden_states.reshape(-1, H) of the shifted states
         states = hidden[:, :-1].reshape(-1, width)
         targets = labels[:, 1:].clamp(min=0).reshape(-1)
-    log_probs, entropy = ChunkedLogProb.apply(states, model.lm_head.weight, targets, with_entropy)
+    per_token = ChunkedLogProb.apply(states, model.lm_head.weight, targets, extras)
     mask = labels[:, 1:] != -100
     if compact:  # x.new_zeros(mask.shape).masked_scatter(mask, x)
-        per_token = [None if x is None else x.new_zeros(mask.shape).masked_scatter(mask, x) for x in (log_probs, entropy)]
-    else:  # x.view(mask.shape).masked_fill(~mask, 0)
-        per_token = [None if x is None else x.view(mask.shape).masked_fill(~mask, 0) for x in (log_probs, entropy)]
-    return tuple(per_token)
+        return tuple(None if x is None else x.new_zeros(mask.shape).masked_scatter(mask, x) for x in per_token)
+    return tuple(None if x is None else x.view(mask.shape).masked_fill(~mask, 0) for x in per_token)  # every position
 
 
 def fresh(t: torch.Tensor) -> torch.Tensor:
