@@ -29,6 +29,40 @@ def load_script(name: str):
     return module
 
 
+def tiny_qwen_rows(rows: int, prompt: int, completion: int):
+    """The tiny Qwen2.5-VL (seeded random weights, float32 on the CPU, eval mode) and `rows` of `prompt` +
+    `completion` tokens for it, labelled as TRL labels them (vlmprobe.steps.common.completion_batch)."""
+    from hydra.utils import instantiate
+
+    from vlmprobe.models.base import DataShape
+    from vlmprobe.steps.common import completion_batch
+
+    spec = instantiate(OmegaConf.load(CONF / "model" / "qwen2_5_vl_tiny.yaml"), _convert_="all")
+    torch.manual_seed(0)
+    model = spec.build(torch.device("cpu"), torch.float32).eval()
+    return model, completion_batch(spec, rows, DataShape(batch_size=rows, lm_max_length=prompt), completion,
+                                   torch.device("cpu"))
+
+
+# DeepSpeed buckets small enough that the tiny models' partitions set the figures (as tests/test_deepspeed.py)
+ZERO3_SMALL_BUCKETS = ["dist=zero3", "dist.reduce_bucket_size=20000", "dist.allgather_bucket_size=20000",
+                       "dist.stage3_prefetch_bucket_size=20000", "dist.stage3_param_persistence_threshold=0",
+                       "dist.stage3_max_live_parameters=40000"]
+
+
+def ranks_of(config: dict) -> dict:
+    """Every rank's outputs of a sharded point (its validated config), by rank: real gloo ranks on the cpu
+    backend, or the estimate's ranks."""
+    import os
+
+    from vlmprobe.distributed.ranks import measure_point
+    from vlmprobe.worker import measure
+
+    outputs = measure_point(config, measure, dict(os.environ))
+    assert outputs["status"] == "ok", outputs.get("error")
+    return {r["rank"]: r for r in outputs["ranks"]}
+
+
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
         return

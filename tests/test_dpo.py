@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
-from conftest import CONF, real_run_that_agrees
+from conftest import CONF, ZERO3_SMALL_BUCKETS, load_script, ranks_of, real_run_that_agrees, tiny_qwen_rows
 from vlmprobe.errors import ConfigError
 from vlmprobe.plan import plan_overrides
 from vlmprobe.worker import measure
@@ -84,14 +84,9 @@ def test_llamafactorys_float32_logits_live_through_the_reference_forward_as_coun
 
 
 def test_llamafactorys_log_probabilities_are_the_cross_entropy_of_the_completion():
-    from vlmprobe.models.base import DataShape
-    from vlmprobe.steps.common import completion_batch
     from vlmprobe.steps.dpo import DPOSettings, sequence_log_probs
 
-    spec = instantiate(OmegaConf.load(CONF / "model" / "qwen2_5_vl_tiny.yaml"), _convert_="all")
-    torch.manual_seed(0)
-    model = spec.build(torch.device("cpu"), torch.float32).eval()
-    batch = completion_batch(spec, 4, DataShape(batch_size=4, lm_max_length=40), 16, torch.device("cpu"))
+    model, batch = tiny_qwen_rows(4, 40, 16)
     with torch.no_grad():
         logits = model(**{k: v for k, v in batch.items() if k != "labels"}).logits
         # the completion's summed log-likelihood: minus the cross entropy of each next completion token
@@ -128,27 +123,18 @@ def test_rows_say_the_completion_length_the_reference_and_the_logits_path():
 # --- beside a sharded engine: the reference prepared as the trainers prepare it (prepare_deepspeed,
 # prepare_fsdp), the policy through the engine ---
 
-ZERO3 = ["dist=zero3", "step.logits=full_fp32", "dist.reduce_bucket_size=20000", "dist.allgather_bucket_size=20000",
-         "dist.stage3_prefetch_bucket_size=20000", "dist.stage3_param_persistence_threshold=0",
-         "dist.stage3_max_live_parameters=40000"]
+ZERO3 = ZERO3_SMALL_BUCKETS + ["step.logits=full_fp32"]
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("dist", [["dist=fsdp2"], ZERO3, ["dist=ddp", "dist.bucket_cap_mb=0.25"]],
                          ids=["fsdp2", "zero3", "ddp"])
 def test_sharded_dpo_estimate_matches_real_gloo_ranks(dist):
-    import os
-
-    from vlmprobe.distributed.ranks import measure_point
-
     if dist is ZERO3:
         pytest.importorskip("deepspeed")
 
     def ranks(backend):
-        outputs = measure_point(config_of(TINY + dist + ["measure.steps=2", "dist.world_size=2",
-                                                         f"measure.backend={backend}"]), measure, dict(os.environ))
-        assert outputs["status"] == "ok", outputs.get("error")
-        return {r["rank"]: r for r in outputs["ranks"]}
+        return ranks_of(config_of(TINY + dist + ["measure.steps=2", "dist.world_size=2", f"measure.backend={backend}"]))
 
     estimated = ranks("estimate")
 
@@ -162,13 +148,10 @@ def test_sharded_dpo_estimate_matches_real_gloo_ranks(dist):
 @pytest.mark.slow
 def test_the_step_allocates_what_trls_own_dpo_trainer_allocates():
     pytest.importorskip("trl")
-    import sys
-
-    sys.path.insert(0, str(CONF.parent / "scripts"))
     import tempfile
     from pathlib import Path
 
-    import check_trl
+    check_trl = load_script("check_trl")
 
     spec = instantiate(OmegaConf.load(CONF / "model" / "qwen2_5_vl_tiny.yaml"), _convert_="all")
     settings = {"rows": 4, "generations": 2, "completion": 16, "beta": None, "prompt_words": 8,

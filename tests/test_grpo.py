@@ -7,7 +7,7 @@ import torch
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
-from conftest import CONF, real_run_that_agrees
+from conftest import CONF, ZERO3_SMALL_BUCKETS, ranks_of, real_run_that_agrees, tiny_qwen_rows
 from vlmprobe.plan import plan_overrides
 from vlmprobe.worker import measure
 
@@ -107,20 +107,11 @@ def test_every_knob_runs(extra):
 # GRPOTrainer.__init__ prepares it (prepare_fsdp, prepare_deepspeed), the policy runs through the engine ---
 
 SHARDED = TINY + ["measure.steps=2", "dist.world_size=2"]
-# DeepSpeed buckets small enough that the tiny model's partitions set the figures (as tests/test_deepspeed.py)
-ZERO3 = ["dist=zero3", "step.logits=logits_to_keep", "dist.reduce_bucket_size=20000",
-         "dist.allgather_bucket_size=20000", "dist.stage3_prefetch_bucket_size=20000",
-         "dist.stage3_param_persistence_threshold=0", "dist.stage3_max_live_parameters=40000"]
+ZERO3 = ZERO3_SMALL_BUCKETS + ["step.logits=logits_to_keep"]
 
 
 def sharded_ranks(overrides):
-    import os
-
-    from vlmprobe.distributed.ranks import measure_point
-
-    outputs = measure_point(config_of(SHARDED + overrides), measure, dict(os.environ))
-    assert outputs["status"] == "ok", outputs.get("error")
-    return {r["rank"]: r for r in outputs["ranks"]}
+    return ranks_of(config_of(SHARDED + overrides))
 
 
 @pytest.mark.slow
@@ -166,14 +157,9 @@ def test_a_sharded_points_processes_are_its_ranks_in_the_planner_and_the_worker_
 # --- VLM-R1's own logits path (step.logits=full_sequence): its VLMGRPOTrainer._get_per_token_logps ---
 
 def test_vlm_r1_full_sequence_log_probs_equal_trl_0_17s_on_real_tensors():
-    from vlmprobe.models.base import DataShape
     from vlmprobe.steps import logprob
-    from vlmprobe.steps.common import completion_batch
 
-    spec = instantiate(OmegaConf.load(CONF / "model" / "qwen2_5_vl_tiny.yaml"), _convert_="all")
-    torch.manual_seed(0)
-    model = spec.build(torch.device("cpu"), torch.float32).eval()
-    batch = completion_batch(spec, 2, DataShape(batch_size=2, lm_max_length=40), 16, torch.device("cpu"))
+    model, batch = tiny_qwen_rows(2, 40, 16)
     with torch.no_grad():
         full, _ = logprob.full_sequence(model, batch, 16)
         kept, _ = logprob.logits_to_keep(model, batch, 16)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import inspect
+import time
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -54,12 +55,15 @@ class PhaseClock:
         meter.sync()
         meter.reset_peak()  # the first window opens after load: the model and batch are in `current`
 
-    def open_step(self) -> None:
-        """Call after zero_grad: the step's first window opens here, not at the last optimizer step's close.
-        Until zero_grad the previous step's gradients were alive (the optimizer phase's figure has them); from
-        here the first phase's peak is its own. Nothing is allocated in between, so no peak is lost."""
+    def begin_step(self, engine) -> float:
+        """zero_grad, then the step's first window; the step's start time. Until zero_grad the previous step's
+        gradients were alive (the optimizer phase's figure has them); from here the first phase's peak is its
+        own. Nothing is allocated in between, so no peak is lost."""
+        started = time.perf_counter()
+        engine.zero_grad()
         self.meter.sync()
         self.meter.reset_peak()
+        return started
 
     def close(self, phase: str) -> None:
         self.meter.sync()  # kernels queued in this phase must be done before the peak is read
@@ -69,9 +73,13 @@ class PhaseClock:
             self.step_peaks[key] = max(self.step_peaks.get(key, 0), value)
         self.meter.reset_peak()
 
-    def end_step(self, seconds: float) -> None:
-        """The optimizer step is done: its peaks become the last step's, and count toward the run's."""
-        self.report.step_time_s = seconds
+    def end_step(self, engine, step, started: float) -> None:
+        """After the last micro batch: the gradients' bytes, the optimizer step (`step`: the engine's, or the
+        estimate's replay of it) in its window; its peaks become the last step's, and count toward the run's."""
+        self.report.grads_bytes = engine.grads_bytes()
+        step()
+        self.close("optimizer")
+        self.report.step_time_s = time.perf_counter() - started
         self.report.last_step_peaks = self.step_peaks
         for key, value in self.step_peaks.items():
             self.report.peaks[key] = max(self.report.peaks.get(key, 0), value)

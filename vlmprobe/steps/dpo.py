@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -117,9 +116,7 @@ def dpo_steps(spec, engine, reference, data: "DataShape", device, meter: Meter, 
     clock = PhaseClock(meter, report)
     batch = completion_batch(spec, 2 * data.batch_size, data, settings.completion_length, device)
     for _ in range(steps):
-        started = time.perf_counter()
-        engine.zero_grad()
-        clock.open_step()
+        started = clock.begin_step(engine)
         for _ in range(accum):
             before_forward = meter.current()
             # the HF Trainer's compute_loss runs under accelerate's autocast, the reference's forward included
@@ -139,8 +136,5 @@ def dpo_steps(spec, engine, reference, data: "DataShape", device, meter: Meter, 
             engine.backward(loss)
             del loss
             clock.close("backward")
-        report.grads_bytes = engine.grads_bytes()
-        engine.step()
-        clock.close("optimizer")
-        clock.end_step(time.perf_counter() - started)
+        clock.end_step(engine, engine.step, started)
     clock.finish(engine)

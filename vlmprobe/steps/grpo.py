@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -150,9 +149,7 @@ def grpo_steps(spec, engine, reference, data: "DataShape", device, meter: Meter,
     rows, completion = data.batch_size, settings.max_completion_length
     buffered = None  # TRL's _buffered_inputs: one step's scored rollout, alive until the next one replaces it
     for _ in range(steps):
-        started = time.perf_counter()
-        engine.zero_grad()
-        clock.open_step()
+        started = clock.begin_step(engine)
         if not settings.use_vllm:
             # accelerate wraps the prepared model's forward in autocast, generate included
             with autocast(), engine.generating() as policy:
@@ -181,10 +178,7 @@ def grpo_steps(spec, engine, reference, data: "DataShape", device, meter: Meter,
             engine.backward(loss)
             del loss
             clock.close("backward")
-        report.grads_bytes = engine.grads_bytes()
-        engine.step()
-        clock.close("optimizer")
+        clock.end_step(engine, engine.step, started)
         del batches, mask, advantages, ref_logps  # `buffered` keeps them
-        clock.end_step(time.perf_counter() - started)
     clock.finish(engine)
     del buffered

@@ -6,7 +6,6 @@ was (vlmprobe.steps.common: one peak window per phase).
 
 from __future__ import annotations
 
-import time
 
 from vlmprobe.steps.common import Meter, PhaseClock, StepReport
 
@@ -44,9 +43,7 @@ def train_steps(spec, engine, batch, meter: Meter, steps: int, autocast, report:
     if replay is not None:
         forward, backward, step = replay.wrap(forward, backward, step, steps, accum)
     for _ in range(steps):
-        started = time.perf_counter()
-        engine.zero_grad()
-        clock.open_step()
+        started = clock.begin_step(engine)
         for _ in range(accum):
             before_forward = meter.current()
             loss, outputs = forward()
@@ -60,8 +57,5 @@ def train_steps(spec, engine, batch, meter: Meter, steps: int, autocast, report:
             clock.close("forward")
             backward(loss)
             clock.close("backward")
-        report.grads_bytes = engine.grads_bytes()
-        step()
-        clock.close("optimizer")
-        clock.end_step(time.perf_counter() - started)
+        clock.end_step(engine, step, started)
     clock.finish(engine)
