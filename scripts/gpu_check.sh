@@ -15,7 +15,10 @@
 #   7. grpo             the VLM-R1 preset's batch-1 GRPO point (Qwen2.5-VL-3B, 4 x 2048 completion tokens) on
 #                       cuda, SDPA attention (flash-attn is not in the GPU image) and no card profile (this card's
 #                       memory is the capacity), then scripts/check_estimate.py --cuda-dir on it (grpo_vs_estimate)
-#   8. dist             every engine at world size 1 (+sweep=dist_world1: ddp, fsdp2 with and without CPU offload,
+#   8. dpo              step=dpo on Qwen2-VL-2B, TRL's and LLaMA-Factory's logits paths, full fine-tune and LoRA
+#                       (one 448 px image in a 512-token prompt, 256-token completions, 2 pairs), on cuda, then
+#                       scripts/check_estimate.py --cuda-dir on it (dpo_vs_estimate)
+#   8b. dist            every engine at world size 1 (+sweep=dist_world1: ddp, fsdp2 with and without CPU offload,
 #                       zero2, zero3 with and without offload; DeepSpeed's rows are skipped where it is not
 #                       installed) on cuda, then scripts/check_estimate.py --cuda-dir on it (dist_vs_estimate)
 #   9. nanovlm_code     nanoVLM's own model code (a checkout at VLMPROBE_NANOVLM_DIR, or .nanovlm/ in the repository
@@ -24,13 +27,13 @@
 #  10. baseline         the first baseline of this device (results/baseline/<device>/<sweep>/) when none exists
 # Needs nothing but the installed project (pip install -e ".[test]") and a CUDA GPU; about 15 minutes on an H100.
 # In parts, where a command may run only so long (10 minutes through the device tool):
-#   VLMPROBE_GPU_CHECK_ONLY="cuda_tests nightly"   the named steps of 1, 2, 5, 6, 7, 8, 9 only, each with the steps
+#   VLMPROBE_GPU_CHECK_ONLY="cuda_tests nightly"   the named steps of 1, 2, 5, 6, 7, 8, 8b, 9 only, each with the steps
 #                                                  that read its output (3-4 and 10 with 2, the replay with 6, ...)
 # On a machine reached through a tool that returns few files, pack the directory: tar czf out.tgz -C DIR .
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
-PARTS="cuda_tests nightly recording_cost allocator grpo dist nanovlm_code"
+PARTS="cuda_tests nightly recording_cost allocator grpo dpo dist nanovlm_code"
 ONLY=" ${VLMPROBE_GPU_CHECK_ONLY:-$PARTS} "
 for part in $ONLY; do
   if [[ " $PARTS " != *" $part "* ]]; then
@@ -93,6 +96,13 @@ if wanted grpo; then
     'sweep.cases=[{}]' 'sweep.axes.data.batch_size=[1]' model.attn_implementation=sdpa device=none
   GRPO=$(newest "$OUT/grpo/preset_vlm_r1_grpo_h20")
   [ -n "$GRPO" ] && step grpo_vs_estimate python scripts/check_estimate.py --parts cuda --cuda-dir "$GRPO"
+fi
+if wanted dpo; then
+  step dpo python -m vlmprobe model=qwen2_vl_2b step=dpo measure.backend=cuda "results_dir=$OUT/dpo" sweep.name=dpo \
+    data.batch_size=2 data.lm_max_length=512 data.image_size=448 step.completion_length=256 \
+    '+sweep.axes.step.logits=[chunked,full_fp32]' '+sweep.axes.train.lora_r=[0,8]'
+  DPO=$(newest "$OUT/dpo/dpo")
+  [ -n "$DPO" ] && step dpo_vs_estimate python scripts/check_estimate.py --parts cuda --cuda-dir "$DPO"
 fi
 if wanted dist; then
   step dist python -m vlmprobe +sweep=dist_world1 measure.backend=cuda "results_dir=$OUT/dist"
