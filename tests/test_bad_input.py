@@ -143,8 +143,6 @@ BAD_INPUT = {
     "GRPO with a model that cannot generate": (["model=nanovlm_tiny", "step=grpo", "data.batch_size=4"],
                                                "step=grpo is not allowed with model=nanovlm_tiny: NanoVLMSpec cannot "
                                                "generate here"),
-    "GRPO's fused head under ZeRO-3": (GRPO + ["dist=zero3"], "step.logits=chunked is not allowed with dist=zero3: "
-                                                             "TRL's fused LM head gathers the partitioned head itself"),
     "GRPO processes other than the ranks": (GRPO + ["dist=fsdp2", "dist.world_size=4", "step.num_processes=2"],
                                             "step.num_processes=2 is not allowed with dist.world_size=4: a sharded "
                                             "point's processes are its ranks"),

@@ -115,10 +115,10 @@ def sharded_ranks(overrides):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("dist", [["dist=fsdp2"], ZERO3, ["dist=ddp", "dist.bucket_cap_mb=0.25"]],
-                         ids=["fsdp2", "zero3", "ddp"])
+@pytest.mark.parametrize("dist", [["dist=fsdp2"], ZERO3, ZERO3_SMALL_BUCKETS, ["dist=ddp", "dist.bucket_cap_mb=0.25"]],
+                         ids=["fsdp2", "zero3", "zero3_chunked", "ddp"])
 def test_sharded_grpo_estimate_matches_real_gloo_ranks(dist):
-    if dist is ZERO3:
+    if "dist=zero3" in dist:
         pytest.importorskip("deepspeed")
     estimated = sharded_ranks(dist + ["measure.backend=estimate"])
 

@@ -311,13 +311,6 @@ def validate_step(cfg: dict, data, spec):
         raise ConfigError(f"step.name={name!r} is not allowed: use one of {', '.join(STEPS)} (step=sft | step=grpo | "
                           f"step=dpo)")
     settings = step_settings(cfg, data, spec)
-    if cfg["dist"]["name"] == "zero3" and settings is not None and settings.logits == "chunked":
-        # TRL gathers the ZeRO-3 partitioned head around its kernel (maybe_gather_lm_head_ctx), in forward
-        # and again in backward; vlmprobe's kernel does not
-        other = ("logits_to_keep (TRL 0.17) or full_sequence (VLM-R1's own trainer)" if name == "grpo"
-                 else "full_fp32 (LLaMA-Factory's trainer)")
-        raise ConfigError(f"step.logits=chunked is not allowed with dist=zero3: TRL's fused LM head gathers the "
-                          f"partitioned head itself, which is not modelled; use step.logits={other}")
     return settings
 
 

@@ -25,6 +25,7 @@ the completion positions taken after (`[:, prompt_length - 1:]`).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import sys
 
@@ -66,6 +67,11 @@ class ChunkedLogProb(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_log_probs, grad_entropy, *_):
         hidden, weight, _, _, _ = ctx.saved_tensors
+        with gathered(weight):  # the backward recomputes the tiles: the ZeRO-3 head is gathered again
+            return ChunkedLogProb._backward(ctx, hidden, weight, grad_log_probs, grad_entropy)
+
+    @staticmethod
+    def _backward(ctx, hidden, weight, grad_log_probs, grad_entropy):
         needs_hidden, needs_weight = ctx.needs_input_grad[:2]
         grad_hidden = torch.zeros(hidden.shape, device=hidden.device, dtype=torch.float32) if needs_hidden else None
         grad_weight = torch.zeros(weight.shape, device=weight.device, dtype=torch.float32) if needs_weight else None
@@ -135,11 +141,26 @@ def _fused_forward(model, labels, completion: int, compact: bool, extras: tuple[
     else:  # every position: hidden_states.reshape(-1, H) of the shifted states
         states = hidden[:, :-1].reshape(-1, width)
         targets = labels[:, 1:].clamp(min=0).reshape(-1)
-    per_token = ChunkedLogProb.apply(states, model.lm_head.weight, targets, extras)
+    with gathered(model.lm_head.weight):
+        per_token = ChunkedLogProb.apply(states, model.lm_head.weight, targets, extras)
     mask = labels[:, 1:] != -100
     if compact:  # x.new_zeros(mask.shape).masked_scatter(mask, x)
         return tuple(None if x is None else x.new_zeros(mask.shape).masked_scatter(mask, x) for x in per_token)
     return tuple(None if x is None else x.view(mask.shape).masked_fill(~mask, 0) for x in per_token)  # every position
+
+
+def gathered(weight: torch.Tensor):
+    """TRL's maybe_gather_lm_head_ctx: under ZeRO-3 the head's weight is a partition outside its module's forward,
+    and the fused head reads it without calling the module, so it is gathered whole around the kernel (forward, and
+    again in backward) and partitioned again after; a null context elsewhere, or where it is gathered already (a
+    head tied to the embedding)."""
+    status = getattr(weight, "ds_status", None)
+    if status is None:
+        return contextlib.nullcontext()
+    import deepspeed
+    from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+
+    return contextlib.nullcontext() if status == ZeroParamStatus.AVAILABLE else deepspeed.zero.GatheredParameters([weight])
 
 
 def fresh(t: torch.Tensor) -> torch.Tensor:
