@@ -58,6 +58,12 @@ def tiny_processor(spec):
     return Processor(image_processor=image, tokenizer=tokenizer, chat_template=TEMPLATE)
 
 
+def prompt_of(settings: dict) -> list[dict]:
+    """Every sample's prompt: one image and `prompt_words` words (one token each)."""
+    words = " ".join(f"w{i}" for i in range(settings["prompt_words"]))
+    return [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": words}]}]
+
+
 def trainer_of(step: str, model_dir: Path, processor, settings: dict, out: Path):
     """TRL's trainer for `step` on a dataset of one batch: GRPO's two prompts (x 2 generations), DPO's `rows` pairs."""
     import torch
@@ -65,9 +71,7 @@ def trainer_of(step: str, model_dir: Path, processor, settings: dict, out: Path)
     from PIL import Image
 
     size = settings["image_size"]
-    words = " ".join(f"w{i}" for i in range(settings["prompt_words"]))
-    samples = [{"prompt": [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": words}]}],
-                "image": Image.new("RGB", (size, size), color=(i * 60, 90, 30))}
+    samples = [{"prompt": prompt_of(settings), "image": Image.new("RGB", (size, size), color=(i * 60, 90, 30))}
                for i in range(2 if step == "grpo" else settings["rows"])]
     common = dict(output_dir=str(out / "trl"), use_cpu=True, bf16=False, fp16=False, gradient_checkpointing=False,
                   max_steps=1, per_device_train_batch_size=settings["rows"], report_to=[], save_strategy="no",
@@ -128,10 +132,7 @@ def trl_peak(step: str, spec, out: Path, settings: dict, fold_in_place: bool) ->
         peak = meter.peaks()["allocated"]
     optimizer = trainer.optimizer.optimizer if hasattr(trainer.optimizer, "optimizer") else trainer.optimizer
     impl = "fused" if optimizer.defaults.get("fused") else "foreach" if optimizer.defaults.get("foreach") else "single_tensor"
-    prompt = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "w0"}]}]
-    words = " ".join(f"w{i}" for i in range(settings["prompt_words"]))
-    prompt[0]["content"][1]["text"] = words
-    text = processor.apply_chat_template(prompt, tokenize=False)
+    text = processor.apply_chat_template(prompt_of(settings), tokenize=False)
     size = settings["image_size"]
     length = len(processor(images=[Image.new("RGB", (size, size))], text=[text])["input_ids"][0])
     return {"before": before, "peak": peak, "optimizer": impl, "prompt_length": length}

@@ -21,6 +21,21 @@ class ConfigError(ValueError):
     """A configuration value that is not allowed; the message names the value and what is allowed."""
 
 
+def require_flags(prefix: str, values: dict, keys) -> None:
+    """One line for the first of `keys` whose value is not true or false (`prefix`: the config section)."""
+    for key in keys:
+        if not isinstance(values[key], bool):
+            raise ConfigError(f"{prefix}.{key}={values[key]!r} is not allowed: use true or false")
+
+
+def require_counts(prefix: str, values: dict, keys, low: int = 1) -> None:
+    """One line for the first of `keys` whose value is not an integer >= `low` (YAML's true is an int to Python)."""
+    for key in keys:
+        value = values[key]
+        if not isinstance(value, int) or isinstance(value, bool) or value < low:
+            raise ConfigError(f"{prefix}.{key}={value!r} is not allowed: it must be an integer >= {low}")
+
+
 def first_line(exc: BaseException) -> str:
     """The first non-empty line of an exception's message, or its type's name when it has none."""
     lines = [line.strip() for line in str(exc).splitlines() if line.strip()]

@@ -10,7 +10,7 @@ import contextlib
 
 from torch import nn
 
-from vlmprobe.errors import ConfigError
+from vlmprobe.errors import ConfigError, require_counts, require_flags
 from vlmprobe.estimate.fake_patches import fake_modules_move_by_data
 from vlmprobe.models.base import is_transformers_model
 
@@ -105,16 +105,10 @@ def adapters_disabled(model: nn.Module):
 
 def validate_knobs(train: dict) -> None:
     """One line per bad knob value, before anything is built."""
-    for key in ("freeze_vision", "freeze_lm"):
-        if not isinstance(train[key], bool):
-            raise ConfigError(f"train.{key}={train[key]!r} is not allowed: use true or false")
-    for key in ("lm", "vision"):
-        if not isinstance(train["grad_ckpt"][key], bool):
-            raise ConfigError(f"train.grad_ckpt.{key}={train['grad_ckpt'][key]!r} is not allowed: use true or false")
-    for key, low in (("lora_r", 0), ("grad_accum_steps", 1)):
-        value = train[key]
-        if not isinstance(value, int) or isinstance(value, bool) or value < low:
-            raise ConfigError(f"train.{key}={value!r} is not allowed: it must be an integer >= {low}")
+    require_flags("train", train, ("freeze_vision", "freeze_lm"))
+    require_flags("train.grad_ckpt", train["grad_ckpt"], ("lm", "vision"))
+    require_counts("train", train, ("lora_r",), low=0)
+    require_counts("train", train, ("grad_accum_steps",))
     dropout = train["lora_dropout"]
     if not isinstance(dropout, (int, float)) or isinstance(dropout, bool) or not 0.0 <= dropout < 1.0:
         raise ConfigError(f"train.lora_dropout={train['lora_dropout']!r} is not allowed: it must be in [0, 1)")

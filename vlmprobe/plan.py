@@ -18,7 +18,7 @@ from omegaconf import OmegaConf
 from vlmprobe import quantization
 from vlmprobe.estimate import alloc_conf, device_profile
 from vlmprobe.distributed import options as dist_options
-from vlmprobe.errors import ConfigError, first_line, refused
+from vlmprobe.errors import ConfigError, first_line, refused, require_flags
 from vlmprobe.grid import Point, expand, flatten_axes, flatten_cases
 from vlmprobe.results import axis_column
 from vlmprobe.sizes import parse_bytes
@@ -228,9 +228,7 @@ def validate_point(cfg: dict, point: Point) -> tuple[dict, str | None]:
         raise ConfigError(f"measure.alloc_conf={measure['alloc_conf']!r} is not allowed: give allocator settings "
                           f"text such as \"expandable_segments:True\", or null")
     allocator = alloc_conf.parse(measure["alloc_conf"])  # torch's parser rules: a key or value it refuses, one line
-    for key in ("snapshot", "hold_outputs"):
-        if not isinstance(measure[key], bool):
-            raise ConfigError(f"measure.{key}={measure[key]!r} is not allowed: use true or false")
+    require_flags("measure", measure, ("snapshot", "hold_outputs"))
     data = DataShape.from_config(cfg["data"])
     try:  # the data is valid by now: what fails here is the model's own settings (a side, a factor)
         spec = build_spec(cfg["model"])
@@ -310,8 +308,7 @@ def validate_step(cfg: dict, data, spec):
     if name not in STEPS:
         raise ConfigError(f"step.name={name!r} is not allowed: use one of {', '.join(STEPS)} (step=sft | step=grpo | "
                           f"step=dpo)")
-    settings = step_settings(cfg, data, spec)
-    return settings
+    return step_settings(cfg, data, spec)
 
 
 def _visible_gpus() -> int:

@@ -8,12 +8,9 @@ programs, which differ in how the log-probabilities are made (`step.logits`):
   asking for the log-probabilities alone (with LoRA the policy is its own reference, adapters disabled, so the
   policy's head and its outputs). No [tokens, vocab] tensor ever lives.
 - `full_fp32`: LLaMA-Factory's CustomDPOTrainer (src/llamafactory/train/dpo/trainer.py `concatenated_forward`
-  and trainer_utils.get_batch_logps, at ff6d4d12). The model's own head gives the logits of every position in
-  the compute dtype, upcast at once to float32 (a copy, `.logits.to(torch.float32)`); `log_softmax` over
-  every position but the last (its float32 output saved for backward) and a gather at the next token. The
-  float32 logits stay alive beside the log-probabilities (the trainer returns them as chosen_logits /
-  rejected_logits for its metrics) until the loss is made: through the reference forward. With a reference,
-  each forward first clones its batch (`nested_detach(batch, clone=True)`, "avoid error").
+  and trainer_utils.get_batch_logps, at ff6d4d12; vlmprobe.steps.logprob.full_fp32): the logits of every
+  position upcast to float32, their `log_softmax` kept for backward; the float32 logits stay alive until the
+  loss is made, so through the reference forward. With a reference, each forward first clones its batch.
 
 Both trainers, per micro batch: the policy's forward over 2 x batch_size rows (each prompt, its images and
 videos with it, once with the chosen completion, once with the rejected: [chosen..., rejected...], TRL's
@@ -33,14 +30,13 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
-from vlmprobe.errors import ConfigError
+from vlmprobe.errors import ConfigError, require_counts, require_flags
 from vlmprobe.steps import logprob
 from vlmprobe.steps.common import Meter, PhaseClock, StepReport, completion_batch
 
 if TYPE_CHECKING:  # steps sit below models in the layering: the shape is passed in, never built here
     from vlmprobe.models.base import DataShape
 
-PHASES = ("forward", "reference", "backward", "optimizer")
 LOGITS_PATHS = ("chunked", "full_fp32")
 POLICY_OUTPUTS = ("entropy", "mean_logits", "is_top1")  # what TRL's DPOTrainer asks the policy's fused head for
 BETA = 0.1  # both trainers' default; the loss's value changes no memory
@@ -60,13 +56,8 @@ class DPOSettings:
         """One ConfigError line per value the trainers (or vlmprobe) refuse, before anything is built."""
         step = point["step"]
         values = {f.name: step[f.name] for f in dataclasses.fields(cls)}
-        length = values["completion_length"]
-        if not isinstance(length, int) or isinstance(length, bool) or length < 1:
-            raise ConfigError(f"step.completion_length={length!r} is not allowed: it must be an integer >= 1 (tokens of "
-                              f"each completion)")
-        for key in ("reference", "compact"):
-            if not isinstance(values[key], bool):
-                raise ConfigError(f"step.{key}={values[key]!r} is not allowed: use true or false")
+        require_counts("step", values, ("completion_length",))
+        require_flags("step", values, ("reference", "compact"))
         if values["logits"] not in LOGITS_PATHS:
             raise ConfigError(f"step.logits={values['logits']!r} is not allowed with step=dpo: use one of "
                               f"{', '.join(LOGITS_PATHS)} (chunked: TRL's DPOTrainer; full_fp32: LLaMA-Factory's)")
@@ -81,20 +72,11 @@ def sequence_log_probs(settings: DPOSettings, model, batch: dict, policy: bool):
     """(per-row summed log-probabilities of the completion [rows] float32, what the trainer keeps alive
     beside them until its loss is made). `policy`: the trained model's forward (TRL asks its head for the
     metrics' outputs too)."""
-    completion = settings.completion_length
     if settings.logits == "chunked":
-        per_token = logprob.chunked(model, batch, completion, settings.compact, POLICY_OUTPUTS if policy else ())
+        per_token = logprob.chunked(model, batch, settings.completion_length, settings.compact,
+                                    POLICY_OUTPUTS if policy else ())
         return per_token[0].sum(dim=1), per_token  # `outputs`: alive until _compute_loss returns
-    if settings.reference:  # nested_detach(batch, clone=True)
-        batch = {k: v.detach().clone() for k, v in batch.items()}
-    labels = batch["labels"]
-    logits = model(**{k: v for k, v in batch.items() if k != "labels"}, use_cache=False).logits.to(torch.float32)
-    # get_batch_logps
-    labels = labels[:, 1:].clone()
-    loss_mask = labels != -100
-    labels[labels == -100] = 0
-    per_token = torch.gather(logits[:, :-1, :].log_softmax(-1), dim=2, index=labels.unsqueeze(2)).squeeze(2)
-    return (per_token * loss_mask).sum(-1), logits  # the logits: chosen_logits / rejected_logits
+    return logprob.full_fp32(model, batch, clone=settings.reference)  # the logits: chosen_logits / rejected_logits
 
 
 def dpo_loss(logps, ref_logps) -> torch.Tensor:

@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from vlmprobe.errors import ConfigError
+from vlmprobe.errors import ConfigError, require_counts, require_flags
 from vlmprobe.steps import logprob
 from vlmprobe.steps.common import Meter, PhaseClock, StepReport, completion_batch
 from vlmprobe.steps.rollout import ROLLOUTS, rollout
@@ -38,7 +38,7 @@ from vlmprobe.steps.rollout import ROLLOUTS, rollout
 if TYPE_CHECKING:  # steps sit below models in the layering: the shape is passed in, never built here
     from vlmprobe.models.base import DataShape
 
-PHASES = ("generate", "reference", "forward", "backward", "optimizer")
+LOGITS_PATHS = ("chunked", "logits_to_keep", "full_sequence")  # vlmprobe.steps.logprob's, for GRPO
 VLLM_MODES = ("server", "colocate")  # TRL's vllm_mode
 EPSILON = 0.2  # TRL's clipping range (epsilon, epsilon_high default to it)
 
@@ -76,10 +76,7 @@ class GRPOSettings:
         """One ConfigError line per value TRL (or vlmprobe) refuses, before anything is built. `world_size`:
         dist.world_size where the point is sharded (dist != none): the processes TRL counts are its ranks."""
         values = {f.name: step[f.name] for f in dataclasses.fields(cls)}
-        for key in ("num_generations", "max_completion_length", "num_processes"):
-            value = values[key]
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ConfigError(f"step.{key}={value!r} is not allowed: it must be an integer >= 1")
+        require_counts("step", values, ("num_generations", "max_completion_length", "num_processes"))
         if world_size is not None:
             if values["num_processes"] not in (1, world_size):
                 raise ConfigError(f"step.num_processes={values['num_processes']} is not allowed with dist.world_size="
@@ -101,18 +98,15 @@ class GRPOSettings:
         beta = values["beta"]
         if not isinstance(beta, (int, float)) or isinstance(beta, bool) or beta < 0:
             raise ConfigError(f"step.beta={beta!r} is not allowed: the KL coefficient must be a number >= 0")
-        for key in ("use_vllm", "compact", "ds3_gather_for_generation"):
-            if not isinstance(values[key], bool):
-                raise ConfigError(f"step.{key}={values[key]!r} is not allowed: use true or false")
+        require_flags("step", values, ("use_vllm", "compact", "ds3_gather_for_generation"))
         if values["vllm_mode"] not in VLLM_MODES:
             raise ConfigError(f"step.vllm_mode={values['vllm_mode']!r} is not allowed: use server")
         if values["use_vllm"] and values["vllm_mode"] == "colocate":
             raise ConfigError(f"step.vllm_mode=colocate is not allowed (backend {backend}): colocated vLLM shares the "
                               f"training GPU through its own allocator (gpu_memory_utilization x the card), which "
                               f"no backend here can tell; use vllm_mode=server (generation on other GPUs)")
-        if values["logits"] not in logprob.LOGITS_PATHS:
-            raise ConfigError(f"step.logits={values['logits']!r} is not allowed: use one of "
-                              f"{', '.join(logprob.LOGITS_PATHS)}")
+        if values["logits"] not in LOGITS_PATHS:
+            raise ConfigError(f"step.logits={values['logits']!r} is not allowed: use one of {', '.join(LOGITS_PATHS)}")
         if values["rollout"] not in ROLLOUTS:
             raise ConfigError(f"step.rollout={values['rollout']!r} is not allowed: use one of {', '.join(ROLLOUTS)}")
         if not spec.can_generate:

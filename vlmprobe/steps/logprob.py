@@ -1,4 +1,5 @@
-"""Per-token log-probabilities of the completion tokens: the two logits paths TRL has had, and VLM-R1's own.
+"""Per-token log-probabilities of the completion tokens: the two logits paths TRL has had, VLM-R1's own, and
+LLaMA-Factory's DPO one (`full_fp32`, documented where it is defined).
 
 `chunked` (TRL >= 1.x; followed here: trl 1.16 trainer/utils.py add_fused_lm_head and
 kernels/chunked_logprob.py ChunkedLogProbFunction): the backbone's last hidden state is projected through
@@ -34,13 +35,12 @@ import torch
 TOKEN_CHUNK = 4096  # tokens per projection tile (TOKEN_CHUNK_SIZE)
 VOCAB_CHUNK = 32768  # vocabulary columns per tile (_CHUNKED_LOGPROB_CHUNK_SIZE)
 STATISTICS = 7  # float32 vectors of N the forward keeps while it folds (max, sums, target logit, ...)
-EXTRAS = ("entropy", "mean_logits", "is_top1")  # per-token outputs besides the log-probabilities (TRL's `outputs`)
-LOGITS_PATHS = ("chunked", "logits_to_keep", "full_sequence")
 
 
 class ChunkedLogProb(torch.autograd.Function):
     """ChunkedLogProbFunction's allocations on CUDA: the per-token log-probabilities of `hidden @ weight.T` at
-    `targets`, and the `extras` asked for (EXTRAS, each None when not asked for), as its `outputs` argument."""
+    `targets`, and the `extras` asked for among entropy, mean_logits and is_top1 (each None when not asked for): its
+    `outputs` argument."""
 
     @staticmethod
     def forward(ctx, hidden, weight, targets, extras: tuple[str, ...]):
@@ -68,28 +68,24 @@ class ChunkedLogProb(torch.autograd.Function):
     def backward(ctx, grad_log_probs, grad_entropy, *_):
         hidden, weight, _, _, _ = ctx.saved_tensors
         with gathered(weight):  # the backward recomputes the tiles: the ZeRO-3 head is gathered again
-            return ChunkedLogProb._backward(ctx, hidden, weight, grad_log_probs, grad_entropy)
+            needs_hidden, needs_weight = ctx.needs_input_grad[:2]
+            grad_hidden = torch.zeros(hidden.shape, device=hidden.device, dtype=torch.float32) if needs_hidden else None
+            grad_weight = torch.zeros(weight.shape, device=weight.device, dtype=torch.float32) if needs_weight else None
+            buf = torch.empty(min(hidden.shape[0], TOKEN_CHUNK), VOCAB_CHUNK, device=hidden.device, dtype=ctx.compute)
+            incoming = [g.float().contiguous() for g in (grad_log_probs, grad_entropy) if g is not None]  # live through the loop
 
-    @staticmethod
-    def _backward(ctx, hidden, weight, grad_log_probs, grad_entropy):
-        needs_hidden, needs_weight = ctx.needs_input_grad[:2]
-        grad_hidden = torch.zeros(hidden.shape, device=hidden.device, dtype=torch.float32) if needs_hidden else None
-        grad_weight = torch.zeros(weight.shape, device=weight.device, dtype=torch.float32) if needs_weight else None
-        buf = torch.empty(min(hidden.shape[0], TOKEN_CHUNK), VOCAB_CHUNK, device=hidden.device, dtype=ctx.compute)
-        incoming = [g.float().contiguous() for g in (grad_log_probs, grad_entropy) if g is not None]  # live through the loop
+            def accumulate(tile, rows, cols, hidden_chunk, w_chunk):
+                # the fold turns the tile into d(loss)/d(logits) in place; then grad_hidden[rows] += tile @ w_chunk
+                # and grad_weight[cols] += tile.T @ hidden_chunk, in float32 accumulators
+                if grad_hidden is not None and tile.dtype == torch.float32:
+                    grad_hidden[rows].addmm_(tile, w_chunk)
+                if grad_weight is not None and tile.dtype == torch.float32:
+                    grad_weight[cols].addmm_(tile.t(), hidden_chunk)
 
-        def accumulate(tile, rows, cols, hidden_chunk, w_chunk):
-            # the fold turns the tile into d(loss)/d(logits) in place; then grad_hidden[rows] += tile @ w_chunk
-            # and grad_weight[cols] += tile.T @ hidden_chunk, in float32 accumulators
-            if grad_hidden is not None and tile.dtype == torch.float32:
-                grad_hidden[rows].addmm_(tile, w_chunk)
-            if grad_weight is not None and tile.dtype == torch.float32:
-                grad_weight[cols].addmm_(tile.t(), hidden_chunk)
-
-        _project(hidden, weight, ctx.compute, buf, accumulate)
-        del buf, incoming
-        return (grad_hidden.to(hidden.dtype) if grad_hidden is not None else None,
-                grad_weight.to(weight.dtype) if grad_weight is not None else None, None, None)
+            _project(hidden, weight, ctx.compute, buf, accumulate)
+            del buf, incoming
+            return (grad_hidden.to(hidden.dtype) if grad_hidden is not None else None,
+                    grad_weight.to(weight.dtype) if grad_weight is not None else None, None, None)
 
 
 def _project(hidden, weight, compute, buf, fold) -> None:
@@ -108,8 +104,8 @@ def _project(hidden, weight, compute, buf, fold) -> None:
 
 
 def chunked(model, batch: dict, completion: int, compact: bool, extras: tuple[str, ...]):
-    """(log_probs, *extras) [rows, completion] through TRL's fused LM head (extras: among EXTRAS, in that
-    order, each None when not asked for): add_fused_lm_head replaces the model's forward, so the call goes
+    """(log_probs, entropy, mean_logits, is_top1) [rows, completion] through TRL's fused LM head (each of the
+    last three None unless in `extras`): add_fused_lm_head replaces the model's forward, so the call goes
     through whatever wraps the model (DDP, a DeepSpeed engine, FSDP2's hooks, which gather the root's
     parameters, the head's among them, for the forward)."""
     module = unwrapped(model)
@@ -192,3 +188,19 @@ def full_sequence(model, batch: dict, completion: int):
     ids = batch["input_ids"][:, 1:]
     rows = [torch.gather(row.log_softmax(dim=-1), dim=1, index=i.unsqueeze(1)).squeeze(1) for row, i in zip(logits, ids)]
     return torch.stack(rows)[:, -completion:], None
+
+
+def full_fp32(model, batch: dict, clone: bool):
+    """(summed log-probabilities [rows] of the labelled positions, the float32 logits) as LLaMA-Factory's
+    CustomDPOTrainer.concatenated_forward + get_batch_logps: the model's logits of every position, upcast at once
+    to float32 (a copy), log_softmax of all but the last (kept for backward), gathered at the next label, summed
+    where labelled. The trainer keeps the logits for its metrics (chosen_logits / rejected_logits) until its loss
+    is made. clone: the batch cloned first (nested_detach(batch, clone=True), which it does with a reference)."""
+    if clone:
+        batch = {k: v.detach().clone() for k, v in batch.items()}
+    logits = model(**{k: v for k, v in batch.items() if k != "labels"}, use_cache=False).logits.to(torch.float32)
+    labels = batch["labels"][:, 1:].clone()
+    loss_mask = labels != -100
+    labels[labels == -100] = 0
+    per_token = torch.gather(logits[:, :-1, :].log_softmax(-1), dim=2, index=labels.unsqueeze(2)).squeeze(2)
+    return (per_token * loss_mask).sum(-1), logits

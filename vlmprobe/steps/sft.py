@@ -6,11 +6,7 @@ was (vlmprobe.steps.common: one peak window per phase).
 
 from __future__ import annotations
 
-
 from vlmprobe.steps.common import Meter, PhaseClock, StepReport
-
-PHASES = ("forward", "backward", "optimizer")
-
 
 def train_steps(spec, engine, batch, meter: Meter, steps: int, autocast, report: StepReport,
                 accum: int = 1, hold_outputs: bool = False, replay=None) -> None:
