@@ -18,6 +18,10 @@
 #   8. dpo              step=dpo on Qwen2-VL-2B, TRL's and LLaMA-Factory's logits paths, full fine-tune and LoRA
 #                       (one 448 px image in a 512-token prompt, 256-token completions, 2 pairs), on cuda, then
 #                       scripts/check_estimate.py --cuda-dir on it (dpo_vs_estimate)
+#   8a. pixtral_mask    Mistral 3's tower (mistral3_tiny, bf16, one 70 px image: 36 patches, a mask with unaligned
+#                       rows, and two: 72, aligned) on cuda, then scripts/check_estimate.py --cuda-dir on it
+#                       (pixtral_mask_vs_estimate): whether the memory-efficient kernel's padded mask copies, or
+#                       cuDNN taking the mask as it is on sm90, are what the card does
 #   8b. dist            every engine at world size 1 (+sweep=dist_world1: ddp, fsdp2 with and without CPU offload,
 #                       zero2, zero3 with and without offload; DeepSpeed's rows are skipped where it is not
 #                       installed) on cuda, then scripts/check_estimate.py --cuda-dir on it (dist_vs_estimate)
@@ -27,13 +31,13 @@
 #  10. baseline         the first baseline of this device (results/baseline/<device>/<sweep>/) when none exists
 # Needs nothing but the installed project (pip install -e ".[test]") and a CUDA GPU; about 15 minutes on an H100.
 # In parts, where a command may run only so long (10 minutes through the device tool):
-#   VLMPROBE_GPU_CHECK_ONLY="cuda_tests nightly"   the named steps of 1, 2, 5, 6, 7, 8, 8b, 9 only, each with the steps
+#   VLMPROBE_GPU_CHECK_ONLY="cuda_tests nightly"   the named steps of 1, 2, 5, 6, 7, 8, 8a, 8b, 9 only, each with the steps
 #                                                  that read its output (3-4 and 10 with 2, the replay with 6, ...)
 # On a machine reached through a tool that returns few files, pack the directory: tar czf out.tgz -C DIR .
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
-PARTS="cuda_tests nightly recording_cost allocator grpo dpo dist nanovlm_code"
+PARTS="cuda_tests nightly recording_cost allocator grpo dpo pixtral_mask dist nanovlm_code"
 ONLY=" ${VLMPROBE_GPU_CHECK_ONLY:-$PARTS} "
 for part in $ONLY; do
   if [[ " $PARTS " != *" $part "* ]]; then
@@ -103,6 +107,13 @@ if wanted dpo; then
     '+sweep.axes.step.logits=[chunked,full_fp32]' '+sweep.axes.train.lora_r=[0,8]'
   DPO=$(newest "$OUT/dpo/dpo")
   [ -n "$DPO" ] && step dpo_vs_estimate python scripts/check_estimate.py --parts cuda --cuda-dir "$DPO"
+fi
+if wanted pixtral_mask; then
+  step pixtral_mask python -m vlmprobe model=mistral3_tiny measure.backend=cuda "results_dir=$OUT/pixtral_mask" \
+    sweep.name=pixtral_mask data.lm_max_length=48 data.image_size=70 train.param_dtype=bfloat16 \
+    train.autocast_dtype=null '+sweep.axes.data.batch_size=[1,2]'
+  PIXTRAL=$(newest "$OUT/pixtral_mask/pixtral_mask")
+  [ -n "$PIXTRAL" ] && step pixtral_mask_vs_estimate python scripts/check_estimate.py --parts cuda --cuda-dir "$PIXTRAL"
 fi
 if wanted dist; then
   step dist python -m vlmprobe +sweep=dist_world1 measure.backend=cuda "results_dir=$OUT/dist"

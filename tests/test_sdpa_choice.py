@@ -115,3 +115,41 @@ def test_on_a_v100_fp16_grouped_attention_keeps_the_attention_weights_that_an_a1
     # flash on the A100: the fp16 output (2 x 8 x 128 x 64 x 2 = 262,144 B) and the fp32 logsumexp (8,192 B)
     assert saved(card("a100_80gb")) == saved(None) == (262_144 + 8_192, (2, 8, 128, 64))
     assert saved(card("v100_32gb"))[0] >= weights  # math on the V100: the softmax output is saved for backward
+
+
+def masked_attention_bytes(device, side, layers=1, mask_dtype=torch.bfloat16):
+    """Bytes `layers` masked bf16 attention calls over one (1, 1, side, side) mask leave live for backward
+    under the estimate, the mask itself not counted."""
+    estimate = backends.get("estimate")
+    with estimate.session(None, device=device) as meter:
+        mask = torch.zeros(1, 1, side, side, dtype=mask_dtype)
+        x = torch.empty(1, 2, side, 64, dtype=torch.bfloat16, requires_grad=True)
+        before = meter.current()
+        outs = [F.scaled_dot_product_attention(x, x, x, attn_mask=mask) for _ in range(layers)]
+        return meter.current() - before, [o.shape for o in outs]
+
+
+def block(n):
+    return -(-n // 512) * 512  # the caching allocator's 512 B rounding
+
+
+@pytest.mark.parametrize("side", [100, 12])
+def test_a_mask_whose_rows_are_not_a_multiple_of_8_is_copied_padded_once_per_memory_efficient_call(side):
+    # one layer without a mask copy: the bf16 output (1 x 2 x side x 64 x 2 B) and the fp32 logsumexp
+    plain = block(2 * side * 64 * 2) + block(2 * side * 4)
+    # attention.cpp pad_bias: rows padded to the next multiple of 8 (100 -> 104, 12 -> 16), a bf16 copy per call
+    padded = block(side * (side + 8 - side % 8) * 2)
+    for layers in (1, 3):
+        kept, _ = masked_attention_bytes(None, side, layers)
+        assert kept == layers * (plain + padded)
+        # a card that puts cuDNN first (sm90) hands the mask to cuDNN as it is: no copy
+        assert masked_attention_bytes(card("h100_80gb"), side, layers)[0] == layers * plain
+
+
+def test_an_aligned_mask_is_shared_by_every_call_and_a_boolean_one_is_made_additive_first():
+    kept, _ = masked_attention_bytes(None, 96, layers=2)
+    assert kept == 2 * (block(2 * 96 * 64 * 2) + block(2 * 96 * 4))  # 96 % 8 == 0: nothing copied
+    # a boolean mask of 12 x 12: its additive bf16 form (and CUDA's -inf scalar), then that form padded to 16
+    kept, _ = masked_attention_bytes(None, 12, layers=1, mask_dtype=torch.bool)
+    plain = block(2 * 12 * 64 * 2) + block(2 * 12 * 4)
+    assert kept == plain + block(12 * 16 * 2)

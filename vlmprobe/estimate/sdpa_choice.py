@@ -11,6 +11,13 @@ scaled_dot_product_attention (torch 2.11-2.13), for the inputs our models give (
 - math: anything else, e.g. fp32 with grouped KV heads (Qwen2-VL trained without autocast).
 Where CUDA's chosen kernel raises instead of falling back (a memory-efficient bias whose dtype is not the
 query's), the estimate raises the same error.
+Memory-efficient attention takes its mask (`bias`) only with every stride but the last a multiple of 8 elements
+(attention.cpp preprocess_mask / aligned_tensor / pad_bias): any other mask is copied into one whose rows are
+padded to the next multiple of 8 (then sliced back), and that copy, not the caller's mask, is what the kernel
+saves for backward: one (B, 1, L, L + pad) copy per attention call alive until backward, where an aligned mask
+is shared by every layer. The estimate makes the same copy where CUDA would run that kernel (`aligned_bias`);
+where the card's profile puts cuDNN first (sm90) a fp16/bf16 masked call goes to cuDNN, which takes the mask
+as it is, so no copy is made there.
 The dtype that counts is the one the kernel sees: under autocast, the autocast dtype.
 With a target card (device=, vlmprobe.estimate.device_profile) the card's limits apply too (sdp_utils.cpp):
 - flash runs only where the profile says so (sm80-sm121: not on a V100), and on sm86/sm89/sm120/sm121 not
@@ -93,6 +100,35 @@ def refuse_bias_dtype(kernel: str, dtype: torch.dtype, attn_mask) -> None:
                            f"kernel: query {dtype}, attn_mask {attn_mask.dtype})")
 
 
+MEM_EFF_ALIGNMENT = 8  # attention.cpp preprocess_mask: mem_eff_alignment, in elements
+
+
+def cudnn_first(device: DeviceProfile | None, dtype: torch.dtype) -> bool:
+    """The card tries cuDNN attention before the others (its profile's default: check_prefer_cudnn_attention on
+    sm90/sm100) and cuDNN takes this dtype (fp16/bf16 only: check_dtypes_low_precision)."""
+    return device is not None and device.sdpa["default"] == "cudnn" and dtype in LOW_PRECISION
+
+
+def aligned_bias(attn_mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The mask CUDA's memory-efficient kernel gets for `attn_mask` (in this order): under autocast a floating mask
+    in the autocast dtype (`dtype`; autocast casts SDPA's floating arguments before the kernel sees them, so the
+    cast here leaves it nothing to do); a boolean mask as an additive one in that dtype (attention.cpp
+    convert_boolean_attn_mask: 0 where True, -inf elsewhere); then, unless every stride but the last is a multiple
+    of 8 elements and the last is 1 (aligned_tensor), its last dimension padded by 8 - size % 8 (pad_bias: by 8
+    where the size is already a multiple, as CUDA does) into a new tensor and sliced back to its size. The slice
+    keeps the padded copy alive for as long as the kernel keeps the mask."""
+    if attn_mask.is_floating_point() and attn_mask.dtype != dtype and torch.is_autocast_enabled(attn_mask.device.type):
+        attn_mask = attn_mask.to(dtype)
+    if attn_mask.dtype == torch.bool:
+        attn_mask = torch.where(attn_mask, 0.0, torch.tensor(float("-inf"), dtype=dtype, device=attn_mask.device))
+    strides = attn_mask.stride()
+    if all(s % MEM_EFF_ALIGNMENT == 0 for s in strides[:-1]) and strides[-1] == 1:
+        return attn_mask
+    size = attn_mask.shape[-1]
+    padded = F.pad(attn_mask, (0, MEM_EFF_ALIGNMENT - size % MEM_EFF_ALIGNMENT))
+    return padded[..., :size]
+
+
 @contextlib.contextmanager
 def cuda_sdpa_choice(device: DeviceProfile | None = None):
     """While active, F.scaled_dot_product_attention runs torch's math kernel where CUDA would on `device`."""
@@ -107,6 +143,8 @@ def cuda_sdpa_choice(device: DeviceProfile | None = None):
         requires_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))
         kernel = cuda_kernel(dtype, query.shape[-1], attn_mask is not None, grouped, device, requires_grad)
         refuse_bias_dtype(kernel, dtype, attn_mask)
+        if kernel == "efficient" and attn_mask is not None and not cudnn_first(device, dtype):
+            attn_mask = aligned_bias(attn_mask, dtype)
         if kernel != "math":
             return original(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
                             scale=scale, enable_gqa=enable_gqa)

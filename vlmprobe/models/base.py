@@ -231,15 +231,16 @@ def is_transformers_model(module: nn.Module) -> bool:
 IGNORE_INDEX = -100  # labels the loss skips (the prompt: image tokens and their markers)
 
 
-def filler_text(n: int, vocab: int) -> list[int]:
-    """`n` ordinary text token ids below `vocab` (a sample's text: its content does not change memory)."""
-    return [(17 * i + 3) % vocab for i in range(n)]
+def filler_text(n: int, vocab: int, first: int = 0) -> list[int]:
+    """`n` ordinary text token ids from `first` up to below `vocab` (a sample's text: its content does not change
+    memory; a family whose special tokens have the low ids starts above them)."""
+    return [first + (17 * i + 3) % (vocab - first) for i in range(n)]
 
 
-def prompt_then_text(prompt: list[int], length: int, vocab: int) -> tuple[list[int], list[int]]:
+def prompt_then_text(prompt: list[int], length: int, vocab: int, first: int = 0) -> tuple[list[int], list[int]]:
     """input_ids and labels of one sample of `length` tokens: the `prompt` (start token, images and their
-    markers; not learned, -100) and text up to the length (learned)."""
-    text = filler_text(length - len(prompt), vocab)
+    markers; not learned, -100) and text up to the length (learned), ids in [first, vocab)."""
+    text = filler_text(length - len(prompt), vocab, first)
     return prompt + text, [IGNORE_INDEX] * len(prompt) + text
 
 

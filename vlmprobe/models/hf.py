@@ -29,6 +29,7 @@ def families() -> dict:
     from vlmprobe.models.llava import LlavaSpec
     from vlmprobe.models.llava_next import LlavaNextSpec
     from vlmprobe.models.llava_onevision import LlavaOnevisionSpec
+    from vlmprobe.models.mistral3 import Mistral3Spec
     from vlmprobe.models.mllama import MllamaSpec
     from vlmprobe.models.paligemma import PaliGemmaSpec
     from vlmprobe.models.qwen2_5_vl import Qwen2_5_VLSpec
@@ -38,7 +39,7 @@ def families() -> dict:
     return {"qwen2_vl": Qwen2VLSpec, "qwen2_5_vl": Qwen2_5_VLSpec, "qwen3_vl": Qwen3VLSpec, "llava": LlavaSpec,
             "llava_next": LlavaNextSpec, "llava_onevision": LlavaOnevisionSpec, "idefics3": Idefics3Spec,
             "smolvlm": SmolVLMSpec, "gemma3": Gemma3Spec,
-            "mllama": MllamaSpec, "internvl": InternVLSpec, "paligemma": PaliGemmaSpec}
+            "mllama": MllamaSpec, "internvl": InternVLSpec, "paligemma": PaliGemmaSpec, "mistral3": Mistral3Spec}
 
 
 def spec_from_config(config: str | None, name: str | None = None, attn_implementation: str = "sdpa") -> ModelSpec:

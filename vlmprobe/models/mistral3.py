@@ -1,0 +1,160 @@
+"""Mistral 3 (Mistral-Small-3.1 / 3.2, 24B): transformers' Mistral3ForConditionalGeneration with random weights -- a
+Pixtral vision tower (`vision_tower`: a patch convolution, RMSNorm, 24 pre-norm blocks with 2-D rotary
+positions and a gated SiLU MLP), a projector (`multi_modal_projector`: RMSNorm, a learned 2 x 2 patch merger,
+Linear, GELU, Linear) and a Mistral LM.
+
+Images (PixtralImageProcessor and PixtralProcessor, transformers 5.24, re-implemented here as arithmetic and
+checked against the real image processor in the tests): an image whose longer side exceeds `longest_edge`
+(1540 px) is scaled down to it, aspect ratio kept (`get_resize_output_image_size`); each side is then rounded up
+to a whole number of 28 px (patch 14 x merge 2). The tower sees every patch of that size: a 1540 px square image
+is 110 x 110 = 12,100 patches, merged 2 x 2 into 55 x 55 LM tokens; the processor writes each row of [IMG]
+tokens followed by [IMG_BREAK], the last row's break being [IMG_END]: rows x (columns + 1) = 3,080 tokens.
+pixel_values are (n_images, 3, H, W) float32 padded to the batch's largest image (here all are one size) and
+`image_sizes` the (H, W) of each; the forward reads image_sizes to crop and merge each image's patches, so it is
+a constant input (models/fake_constants.py). The images are square (`data.image_size` a side).
+
+What the tower does with the patches of all images of a micro batch: one sequence, attention restricted to each
+image by a (1, 1, N, N) additive mask in the tower's dtype over all N patches (`generate_block_attention_mask`)
+under sdpa and eager; with flash_attention_2 by each image's length instead (cu_seqlens), no mask. On CUDA that
+mask is the memory-efficient kernel's bias, copied padded once per block where N is not a multiple of 8
+(vlmprobe.estimate.sdpa_choice): at 1540 px, 12,100 patches, each of the 24 blocks keeps a 279 MiB bf16 copy until
+backward.
+
+Each sample is `lm_max_length` tokens, no padding: <s>, the images' tokens as the processor writes them, then
+text; labels are -100 at <s> and every image token. The loss is the model's own (`labels=`).
+
+Towers: vision = the Pixtral tower; lm = the language model and lm_head; the projector belongs to neither.
+
+Tied head: transformers 5.x reads `tie_word_embeddings` from the top level of a Mistral3 config.json, defaulting to
+true (transformers#43429, for Ministral 3), while Mistral-Small-3.1's published config.json sets it only in
+text_config (false): `model=hf` on that file builds a tied head, as from_pretrained in transformers 5.24 does
+(transformers#42313 and vllm#51063 report it); the shipped YAML sets it false, as the checkpoint's weights are.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from vlmprobe.models.base import DataShape, ModelSpec, hyperparameters, prompt_then_text
+from vlmprobe.models.fake_constants import constant_tensor, hold_constant_limit, release_with
+
+# [IMG_BREAK] and [IMG_END] of Mistral's tekken tokenizer (its tokenizer files, not config.json): what model=hf
+# writes; their values do not change memory
+TEKKEN_IMAGE_BREAK, TEKKEN_IMAGE_END = 12, 13
+
+
+def resized_side(side: int, longest_edge: int, cell: int) -> int:
+    """The side of a `side` x `side` image after PixtralImageProcessor (get_resize_output_image_size, with
+    PixtralProcessor's patch size `cell` = patch x merge): scaled down to `longest_edge` where longer (floored, as
+    the processor floors), then rounded up to a whole number of cells."""
+    ratio = side / longest_edge
+    if ratio > 1:
+        side = int(math.floor(side / ratio))
+    return ((side - 1) // cell + 1) * cell
+
+
+class Mistral3Spec(ModelSpec):
+    """Hydra target for conf/model/mistral3_*.yaml and mistral_small_*.yaml."""
+
+    model_class = "Mistral3ForConditionalGeneration"
+    size_decides_tokens = True
+
+    def __init__(self, name: str, vision: dict, text: dict, image_size: int, longest_edge: int, spatial_merge_size: int,
+                 image_token_id: int, image_break_token_id: int, image_end_token_id: int, projector_hidden_act: str,
+                 vision_feature_layer: int | list[int], multimodal_projector_bias: bool, tie_word_embeddings: bool,
+                 attn_implementation: str = "sdpa"):
+        self.name = name
+        self.vision = dict(vision)
+        self.text = dict(text)
+        self.native_image_size = image_size  # the model takes any size: the default side
+        self.longest_edge = longest_edge
+        self.spatial_merge_size = spatial_merge_size
+        self.image_token_id = image_token_id
+        self.image_break_token_id = image_break_token_id
+        self.image_end_token_id = image_end_token_id
+        self.projector_hidden_act = projector_hidden_act
+        self.vision_feature_layer = vision_feature_layer
+        self.multimodal_projector_bias = multimodal_projector_bias
+        self.tie_word_embeddings = tie_word_embeddings
+        self.attn_implementation = attn_implementation
+
+    @classmethod
+    def from_hf_config(cls, raw: dict, *, name: str, attn_implementation: str, preprocessor: dict | None):
+        """The spec of a Mistral3 config.json (`raw`), read through transformers' Mistral3Config (what
+        from_pretrained builds, its tied-head default included). preprocessor_config.json's size.longest_edge
+        where there is one, else the tower's image_size (1540 in Mistral-Small-3.1's, the same figure); the
+        default side is the smaller of that edge and 1024 px."""
+        from transformers import Mistral3Config
+
+        config = Mistral3Config(**raw)
+        edge = ((preprocessor or {}).get("size") or {}).get("longest_edge") or config.vision_config.image_size
+        return cls(name=name, vision=hyperparameters(config.vision_config), text=hyperparameters(config.text_config),
+                   image_size=min(edge, 1024), longest_edge=edge, spatial_merge_size=config.spatial_merge_size,
+                   image_token_id=config.image_token_id, image_break_token_id=TEKKEN_IMAGE_BREAK,
+                   image_end_token_id=TEKKEN_IMAGE_END, projector_hidden_act=config.projector_hidden_act,
+                   vision_feature_layer=config.vision_feature_layer,
+                   multimodal_projector_bias=config.multimodal_projector_bias,
+                   tie_word_embeddings=config.tie_word_embeddings, attn_implementation=attn_implementation)
+
+    # -- image geometry -------------------------------------------------------------------------------
+    def cell(self) -> int:
+        """Pixels per LM token per side: a patch times the merge."""
+        return self.vision["patch_size"] * self.spatial_merge_size
+
+    def pixel_side(self, data: DataShape) -> int:
+        """Pixels per side the model sees for one image of this point (the processor's output size)."""
+        return resized_side(self.image_size(data), self.longest_edge, self.cell())
+
+    def image_tokens(self, data: DataShape) -> int:
+        rows = self.pixel_side(data) // self.cell()
+        return data.images_per_sample * rows * (rows + 1)  # each row of [IMG] ends in [IMG_BREAK] / [IMG_END]
+
+    def prompt_framing(self, data: DataShape) -> tuple[int, str]:
+        return 1, " plus <s>"
+
+    # -- model ----------------------------------------------------------------------------------------
+    def config(self):
+        from transformers import Mistral3Config
+
+        return Mistral3Config(vision_config=dict(self.vision), text_config={**self.text, "use_cache": False},
+                              image_token_index=self.image_token_id, spatial_merge_size=self.spatial_merge_size,
+                              projector_hidden_act=self.projector_hidden_act,
+                              vision_feature_layer=self.vision_feature_layer,
+                              multimodal_projector_bias=self.multimodal_projector_bias,
+                              tie_word_embeddings=self.tie_word_embeddings, attn_implementation=self.attn_implementation)
+
+    def towers(self, model: nn.Module) -> dict[str, list[nn.Module]]:
+        return {"vision": [model.model.vision_tower], "lm": [model.model.language_model, model.lm_head]}
+
+    # -- inputs ---------------------------------------------------------------------------------------
+    def _image_text(self, data: DataShape) -> list[int]:
+        """Token ids of one image as PixtralProcessor writes it (replace_image_token)."""
+        rows = self.pixel_side(data) // self.cell()
+        text = ([self.image_token_id] * rows + [self.image_break_token_id]) * rows
+        text[-1] = self.image_end_token_id
+        return text
+
+    def _sample(self, data: DataShape) -> tuple[list[int], list[int]]:
+        """input_ids and labels of one sample: <s>, the images, then text."""
+        prompt = [self.text.get("bos_token_id", 1)] + self._image_text(data) * data.images_per_sample
+        # ordinary text ids lie above the image tokens (tekken's low ids are its control tokens)
+        first = max(self.image_token_id, self.image_break_token_id, self.image_end_token_id) + 1
+        return prompt_then_text(prompt, data.lm_max_length, self.text["vocab_size"], first)
+
+    def batch(self, data: DataShape, device: torch.device) -> dict:
+        self.validate(data)
+        input_ids, labels = self._sample(data)
+        b, n, side = data.batch_size, data.batch_size * data.images_per_sample, self.pixel_side(data)
+        release = hold_constant_limit(b * data.lm_max_length)  # the forward counts image tokens in input_ids
+        batch = {
+            "input_ids": constant_tensor([input_ids] * b, device),
+            "labels": constant_tensor([labels] * b, device),
+            "pixel_values": torch.randn(n, self.vision.get("num_channels", 3), side, side, dtype=torch.float32,
+                                        device=device),
+            "image_sizes": constant_tensor([[side, side]] * n, device),
+        }
+        release_with(batch["input_ids"], release)
+        return batch
