@@ -38,6 +38,7 @@ import math
 import torch
 from torch import nn
 
+from vlmprobe.errors import ConfigError
 from vlmprobe.models.base import DataShape, ModelSpec, hyperparameters, prompt_then_text
 from vlmprobe.models.fake_constants import constant_tensor, hold_constant_limit, release_with
 
@@ -110,6 +111,12 @@ class Mistral3Spec(ModelSpec):
 
     def image_tokens(self, data: DataShape) -> int:
         rows = self.pixel_side(data) // self.cell()
+        if rows == 1 and data.batch_size * data.images_per_sample == 1:
+            # get_image_features squeezes the batch's (1, 1, width) features to (width,) and its split then fails
+            raise ConfigError(f"data.image_size={self.image_size(data)} is not allowed for {self.name} with one image "
+                              f"in the micro batch: it is one LM token ({self.cell()} px or less), and transformers' "
+                              f"Mistral3 forward fails on a batch of one image token; use a side above {self.cell()} px "
+                              f"or more images")
         return data.images_per_sample * rows * (rows + 1)  # each row of [IMG] ends in [IMG_BREAK] / [IMG_END]
 
     def prompt_framing(self, data: DataShape) -> tuple[int, str]:
