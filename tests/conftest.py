@@ -50,6 +50,17 @@ ZERO3_SMALL_BUCKETS = ["dist=zero3", "dist.reduce_bucket_size=20000", "dist.allg
                        "dist.stage3_max_live_parameters=40000"]
 
 
+def image_features_of(spec, data):
+    """(rows of the model's own image features for each image of `data`'s batch, the batch): a tiny family spec
+    built on the CPU, whose get_image_features takes pixel_values and image_sizes (LLaVA-NeXT, Mistral 3)."""
+    model = spec.build("cpu", torch.float32)
+    batch = spec.batch(data, torch.device("cpu"))
+    with torch.no_grad():
+        features = model.model.get_image_features(pixel_values=batch["pixel_values"],
+                                                  image_sizes=batch["image_sizes"]).pooler_output
+    return [f.shape[0] for f in features], batch
+
+
 def ranks_of(config: dict) -> dict:
     """Every rank's outputs of a sharded point (its validated config), by rank: real gloo ranks on the cpu
     backend, or the estimate's ranks."""

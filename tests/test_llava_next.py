@@ -6,6 +6,7 @@ test_families.py; config.json: test_hf.py.)"""
 import pytest
 import torch
 
+from conftest import image_features_of
 from vlmprobe.errors import ConfigError
 from vlmprobe.models.base import IGNORE_INDEX, DataShape
 from vlmprobe.models.llava_next import anyres_tokens
@@ -73,13 +74,8 @@ def test_pixel_values_image_sizes_and_tokens_are_what_the_real_processor_gives(s
 @pytest.mark.parametrize("side", [56, 100, 150, 300])  # canvases 56 x 112, 112 x 112, 168 x 56... of the tiny
 def test_image_tokens_are_what_the_models_packed_features_have(spec, side):
     llava = spec("llava_next_tiny")
-    model = llava.build("cpu", torch.float32)
     data = DataShape(batch_size=2, lm_max_length=400, image_size=side)
-    batch = llava.batch(data, CPU)
-    with torch.no_grad():
-        features = model.model.get_image_features(pixel_values=batch["pixel_values"],
-                                                  image_sizes=batch["image_sizes"]).pooler_output
-    assert [f.shape[0] for f in features] == [llava.image_tokens(data)] * 2
+    assert image_features_of(llava, data)[0] == [llava.image_tokens(data)] * 2
 
 
 def test_batch_inputs_are_consistent_with_each_other(spec):

@@ -6,7 +6,7 @@ take refused. (Estimate vs cpu to the byte and the knobs: test_families.py.)"""
 import pytest
 import torch
 
-from conftest import TESTS
+from conftest import TESTS, image_features_of
 from hand_counts import llama_params
 from vlmprobe.errors import ConfigError
 from vlmprobe.models.base import IGNORE_INDEX, DataShape, count_params
@@ -97,13 +97,9 @@ def test_pixels_and_tokens_are_what_the_real_pixtral_image_processor_gives(spec)
 @pytest.mark.parametrize("side,rows", [(56, 2), (70, 3), (112, 4), (200, 4)])  # 200 px: scaled to the 112 px edge
 def test_image_tokens_are_what_the_models_merged_features_have(spec, side, rows):
     tiny = spec("mistral3_tiny")
-    model = tiny.build("cpu", torch.float32)
     data = DataShape(batch_size=2, lm_max_length=100, image_size=side)
-    batch = tiny.batch(data, CPU)
-    with torch.no_grad():
-        features = model.model.get_image_features(pixel_values=batch["pixel_values"],
-                                                  image_sizes=batch["image_sizes"]).pooler_output
-    assert [f.shape[0] for f in features] == [rows * rows] * 2  # one feature per [IMG]
+    features, batch = image_features_of(tiny, data)
+    assert features == [rows * rows] * 2  # one feature per [IMG]
     assert tiny.image_tokens(data) == rows * (rows + 1)
     assert ((batch["input_ids"] == tiny.image_token_id).sum(dim=1) == rows * rows).all()
 
