@@ -28,11 +28,16 @@ def require_flags(prefix: str, values: dict, keys) -> None:
             raise ConfigError(f"{prefix}.{key}={values[key]!r} is not allowed: use true or false")
 
 
+def whole(value) -> bool:
+    """An int that is not a bool (YAML's true is an int to Python)."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 def require_counts(prefix: str, values: dict, keys, low: int = 1) -> None:
-    """One line for the first of `keys` whose value is not an integer >= `low` (YAML's true is an int to Python)."""
+    """One line for the first of `keys` whose value is not an integer >= `low`."""
     for key in keys:
         value = values[key]
-        if not isinstance(value, int) or isinstance(value, bool) or value < low:
+        if not whole(value) or value < low:
             raise ConfigError(f"{prefix}.{key}={value!r} is not allowed: it must be an integer >= {low}")
 
 

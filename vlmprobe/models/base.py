@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from vlmprobe.errors import ConfigError
+from vlmprobe.errors import ConfigError, whole
 
 
 @dataclass(frozen=True)
@@ -55,11 +55,6 @@ class DataShape:
                               f"{shape.videos_per_sample}: give the frames each video hands the processor (after "
                               f"sampling: fps x seconds, capped as your pipeline caps them)")
         return shape
-
-
-def whole(value) -> bool:
-    """An int that is not a bool (YAML's true is an int to Python)."""
-    return isinstance(value, int) and not isinstance(value, bool)
 
 
 # transformers' modules that a family built on transformers runs through, and where the estimate answers what

@@ -65,3 +65,18 @@ def constant_tensor(values, device: torch.device, dtype: torch.dtype = torch.lon
     lift_fresh), but a collator's batch lives on the GPU: the clone allocates it through a dispatched op on
     every backend (and stays constant: clone of a constant is constant, within the held limit)."""
     return torch.tensor(values, dtype=dtype, device=device).clone()
+
+
+def collated(data, device: torch.device, input_ids: list[int], labels: list[int], inputs: Callable[[], dict],
+             limit: int = 0) -> dict:
+    """One micro batch as a training collator hands it: `data.batch_size` copies of a sample's input_ids and labels
+    (constants: every family's forward reads input_ids), then the family's other inputs, which `inputs()` makes
+    once the limit is raised (a constant made with constant_tensor stays constant only within it). The limit is
+    the batch's token count, or `limit` where the forward reads a larger constant, held as long as the batch
+    lives (its input_ids)."""
+    b = data.batch_size
+    release = hold_constant_limit(max(b * data.lm_max_length, limit))
+    batch = {"input_ids": constant_tensor([input_ids] * b, device), "labels": constant_tensor([labels] * b, device),
+             **inputs()}
+    release_with(batch["input_ids"], release)
+    return batch

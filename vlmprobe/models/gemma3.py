@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from vlmprobe.models.base import DataShape, ModelSpec, hyperparameters, prompt_then_text
-from vlmprobe.models.fake_constants import constant_tensor, hold_constant_limit, release_with
+from vlmprobe.models.fake_constants import collated, constant_tensor
 
 NEWLINES = 1  # "\n\n" before <start_of_image> and after <end_of_image>: one token each in Gemma's vocabulary
 
@@ -104,14 +104,9 @@ class Gemma3Spec(ModelSpec):
         self.validate(data)
         input_ids, labels = self._sample(data)
         b, size = data.batch_size, self.native_image_size
-        release = hold_constant_limit(b * data.lm_max_length)  # the forward reads input_ids and token_type_ids
-        batch = {
-            "input_ids": constant_tensor([input_ids] * b, device),
-            "labels": constant_tensor([labels] * b, device),
+        return collated(data, device, input_ids, labels, lambda: {  # the forward reads token_type_ids too
             "token_type_ids": constant_tensor([[int(i == self.image_token_id) for i in input_ids]] * b, device),
             "pixel_values": torch.randn(b * data.images_per_sample, self.vision.get("num_channels", 3), size, size,
                                         dtype=torch.float32, device=device),
-        }
-        release_with(batch["input_ids"], release)
-        return batch
+        })
 

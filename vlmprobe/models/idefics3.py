@@ -37,7 +37,7 @@ from torch import nn
 
 from vlmprobe.errors import ConfigError
 from vlmprobe.models.base import DataShape, ModelSpec, hyperparameters, prompt_then_text
-from vlmprobe.models.fake_constants import constant_tensor, hold_constant_limit, release_with
+from vlmprobe.models.fake_constants import collated, constant_tensor
 
 MAX_IMAGE_SIZE = 4096  # transformers' idefics3 / smolvlm image processors: no side beyond it ("4k resolution")
 
@@ -168,16 +168,11 @@ class Idefics3Spec(ModelSpec):
         pixels = (b, frames, self.vision.get("num_channels", 3), self.tile, self.tile)
         # The forward reads pixel_values (all-zero images are padding) and the pixel mask: both constant
         # while the batch lives, so the limit covers them as well as the token count
-        release = hold_constant_limit(max(b * data.lm_max_length, math.prod(pixels)))
-        batch = {
-            "input_ids": constant_tensor([input_ids] * b, device),
-            "labels": constant_tensor([labels] * b, device),
+        return collated(data, device, input_ids, labels, lambda: {
             # content does not change memory; no image is all zeros (a padding image)
             "pixel_values": constant_tensor(np.full(pixels, 0.5, dtype=np.float32), device, torch.float32),
             "pixel_attention_mask": constant_tensor(np.ones((b, frames, self.tile, self.tile), dtype=np.int64), device),
-        }
-        release_with(batch["input_ids"], release)
-        return batch
+        }, limit=math.prod(pixels))
 
 
 

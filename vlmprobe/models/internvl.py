@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from vlmprobe.models.base import DataShape, ModelSpec, hyperparameters, prompt_then_text
-from vlmprobe.models.fake_constants import constant_tensor, hold_constant_limit, release_with
+from vlmprobe.models.fake_constants import collated
 
 
 class InternVLSpec(ModelSpec):
@@ -106,13 +106,8 @@ class InternVLSpec(ModelSpec):
                  self.text.get("eos_token_id") or 2]  # </img>
         input_ids, labels = prompt_then_text(image * data.images_per_sample, data.lm_max_length,
                                              min(self.image_token_id, self.text["vocab_size"]))
-        b, n = data.batch_size, data.batch_size * data.images_per_sample * self.tiles(data)
-        release = hold_constant_limit(b * data.lm_max_length)  # the forward counts image tokens in input_ids
-        batch = {
-            "input_ids": constant_tensor([input_ids] * b, device),
-            "labels": constant_tensor([labels] * b, device),
+        n = data.batch_size * data.images_per_sample * self.tiles(data)
+        return collated(data, device, input_ids, labels, lambda: {
             "pixel_values": torch.randn(n, self.vision.get("num_channels", 3), self.tile, self.tile,
                                         dtype=torch.float32, device=device),
-        }
-        release_with(batch["input_ids"], release)
-        return batch
+        })

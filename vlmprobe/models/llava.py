@@ -28,7 +28,7 @@ from torch import nn
 
 from vlmprobe.errors import ConfigError
 from vlmprobe.models.base import DataShape, ModelSpec, hyperparameters, prompt_then_text
-from vlmprobe.models.fake_constants import constant_tensor, hold_constant_limit, release_with
+from vlmprobe.models.fake_constants import collated
 
 # Vision towers whose output sequence we know: patch tokens plus this many class tokens
 CLASS_TOKENS = {"clip_vision_model": 1, "siglip_vision_model": 0}
@@ -136,13 +136,6 @@ class LlavaSpec(ModelSpec):
     def batch(self, data: DataShape, device: torch.device) -> dict:
         self.validate(data)
         input_ids, labels = self._sample(data)
-        b = data.batch_size
-        release = hold_constant_limit(b * data.lm_max_length)  # the forward counts image tokens in input_ids
-        batch = {
-            "input_ids": constant_tensor([input_ids] * b, device),
-            "labels": constant_tensor([labels] * b, device),
-            **self.image_inputs(b * data.images_per_sample, data, device),
-        }
-        release_with(batch["input_ids"], release)
-        return batch
+        return collated(data, device, input_ids, labels,
+                        lambda: self.image_inputs(data.batch_size * data.images_per_sample, data, device))
 

@@ -40,7 +40,7 @@ from torch import nn
 
 from vlmprobe.errors import ConfigError
 from vlmprobe.models.base import DataShape, ModelSpec, hyperparameters, prompt_then_text
-from vlmprobe.models.fake_constants import constant_tensor, hold_constant_limit, release_with
+from vlmprobe.models.fake_constants import collated, constant_tensor
 
 # [IMG_BREAK] and [IMG_END] of Mistral's tekken tokenizer (its tokenizer files, not config.json): what model=hf
 # writes; their values do not change memory
@@ -154,14 +154,9 @@ class Mistral3Spec(ModelSpec):
     def batch(self, data: DataShape, device: torch.device) -> dict:
         self.validate(data)
         input_ids, labels = self._sample(data)
-        b, n, side = data.batch_size, data.batch_size * data.images_per_sample, self.pixel_side(data)
-        release = hold_constant_limit(b * data.lm_max_length)  # the forward counts image tokens in input_ids
-        batch = {
-            "input_ids": constant_tensor([input_ids] * b, device),
-            "labels": constant_tensor([labels] * b, device),
+        n, side = data.batch_size * data.images_per_sample, self.pixel_side(data)
+        return collated(data, device, input_ids, labels, lambda: {
             "pixel_values": torch.randn(n, self.vision.get("num_channels", 3), side, side, dtype=torch.float32,
                                         device=device),
             "image_sizes": constant_tensor([[side, side]] * n, device),
-        }
-        release_with(batch["input_ids"], release)
-        return batch
+        })

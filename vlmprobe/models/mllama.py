@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 from vlmprobe.models.base import DataShape, ModelSpec, hyperparameters, prompt_then_text
-from vlmprobe.models.fake_constants import constant_tensor, hold_constant_limit, release_with
+from vlmprobe.models.fake_constants import collated, constant_tensor
 
 
 def canvas(size: int, tile: int, max_tiles: int) -> tuple[int, int]:
@@ -103,16 +103,11 @@ class MllamaSpec(ModelSpec):
             [get_cross_attention_token_mask(input_ids, self.image_token_id)] * b, [[rows * cols] * images] * b,
             max_tiles, data.lm_max_length)
         size = self.vision["image_size"]
-        release = hold_constant_limit(b * data.lm_max_length)  # the forward's ops on input_ids stay constant
-        batch = {
-            "input_ids": constant_tensor([input_ids] * b, device),
-            "labels": constant_tensor([labels] * b, device),
+        return collated(data, device, input_ids, labels, lambda: {
             "pixel_values": torch.randn(b, images, max_tiles, self.vision.get("num_channels", 3), size, size,
                                         dtype=torch.float32, device=device),
             "aspect_ratio_ids": constant_tensor([[ratio_id] * images] * b, device),
             "aspect_ratio_mask": constant_tensor([[[int(t < rows * cols) for t in range(max_tiles)]] * images] * b,
                                                  device),
             "cross_attention_mask": constant_tensor(cross, device),
-        }
-        release_with(batch["input_ids"], release)
-        return batch
+        })

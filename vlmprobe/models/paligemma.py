@@ -27,7 +27,7 @@ from torch import nn
 
 from vlmprobe.errors import ConfigError
 from vlmprobe.models.base import DataShape, ModelSpec, hyperparameters, prompt_then_text
-from vlmprobe.models.fake_constants import constant_tensor, hold_constant_limit, release_with
+from vlmprobe.models.fake_constants import collated, constant_tensor
 
 NEWLINE = 108  # "\n" in Gemma's vocabulary: the end of the prefix (its value changes no byte)
 
@@ -102,13 +102,8 @@ class PaliGemmaSpec(ModelSpec):
         self.validate(data)
         input_ids, labels, token_types = self._sample(data)
         b, size = data.batch_size, self.native_image_size
-        release = hold_constant_limit(b * data.lm_max_length)  # the forward reads input_ids and token_type_ids
-        batch = {
-            "input_ids": constant_tensor([input_ids] * b, device),
-            "labels": constant_tensor([labels] * b, device),
+        return collated(data, device, input_ids, labels, lambda: {  # the forward reads token_type_ids too
             "token_type_ids": constant_tensor([token_types] * b, device),
             "pixel_values": torch.randn(b * data.images_per_sample, self.vision.get("num_channels", 3), size, size,
                                         dtype=torch.float32, device=device),
-        }
-        release_with(batch["input_ids"], release)
-        return batch
+        })

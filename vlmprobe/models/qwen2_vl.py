@@ -57,7 +57,7 @@ from torch import nn
 
 from vlmprobe.errors import ConfigError
 from vlmprobe.models.base import IGNORE_INDEX, DataShape, ModelSpec, filler_text, hyperparameters
-from vlmprobe.models.fake_constants import constant_tensor, hold_constant_limit, release_with
+from vlmprobe.models.fake_constants import collated, constant_tensor
 
 
 
@@ -304,29 +304,27 @@ class Qwen2VLSpec(ModelSpec):
         # one value per patch as well: Qwen3-VL's vision tower repeats each image's grid size per patch
         # (repeat_interleave, whose output size fake tensors know only from constants) to resample its
         # position table.
-        release = hold_constant_limit(max(b * data.lm_max_length, n_images * rows * cols,
-                                          n_videos * frames * v_rows * v_cols))
-        batch = {
-            "input_ids": constant_tensor([input_ids] * b, device),
-            "labels": constant_tensor([labels] * b, device),
-            "mm_token_type_ids": constant_tensor([types] * b, device),
-            "position_ids": constant_tensor([[row] * b for row in positions], device),  # (3, B, L)
-        }
-        if n_images:
-            batch.update({
-                "image_grid_thw": constant_tensor([[1, rows, cols]] * n_images, device),
-                "pixel_values": torch.randn(n_images * rows * cols, patch_values, dtype=torch.float32, device=device),
-                **self.vision_inputs([(rows, cols)] * n_images, device),
-            })
-        if n_videos:  # what the video processor returns: float32 patches, one (t, rows, cols) row per video
-            batch.update({
-                "video_grid_thw": constant_tensor([[frames, v_rows, v_cols]] * n_videos, device),
-                "pixel_values_videos": torch.randn(n_videos * frames * v_rows * v_cols, patch_values,
-                                                   dtype=torch.float32, device=device),
-                **self.vision_inputs([(v_rows, v_cols)] * (n_videos * frames), device, "video"),
-            })
-        release_with(batch["input_ids"], release)
-        return batch
+        def inputs() -> dict:
+            made = {"mm_token_type_ids": constant_tensor([types] * b, device),
+                    "position_ids": constant_tensor([[row] * b for row in positions], device)}  # (3, B, L)
+            if n_images:
+                made.update({
+                    "image_grid_thw": constant_tensor([[1, rows, cols]] * n_images, device),
+                    "pixel_values": torch.randn(n_images * rows * cols, patch_values, dtype=torch.float32,
+                                                device=device),
+                    **self.vision_inputs([(rows, cols)] * n_images, device),
+                })
+            if n_videos:  # what the video processor returns: float32 patches, one (t, rows, cols) row per video
+                made.update({
+                    "video_grid_thw": constant_tensor([[frames, v_rows, v_cols]] * n_videos, device),
+                    "pixel_values_videos": torch.randn(n_videos * frames * v_rows * v_cols, patch_values,
+                                                       dtype=torch.float32, device=device),
+                    **self.vision_inputs([(v_rows, v_cols)] * (n_videos * frames), device, "video"),
+                })
+            return made
+
+        return collated(data, device, input_ids, labels, inputs,
+                        limit=max(n_images * rows * cols, n_videos * frames * v_rows * v_cols))
 
 
     # -- generation (step=grpo) -----------------------------------------------------------------------
