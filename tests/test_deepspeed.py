@@ -268,3 +268,43 @@ def test_zero_init_pieces_offloaded_to_the_host_are_host_memory_so_a_lora_point_
     for column in ("after_load_bytes", "after_step_bytes", "peak_allocated_bytes", "after_step_host_bytes",
                    "peak_host_bytes"):
         assert rows["true"][column] == rows["false"][column], column
+
+
+@pytest.mark.parametrize("free,host", [("room", 0), ("none", 2 * 2 * 81_344)])
+def test_stage2_flattens_through_the_host_where_the_card_has_no_room_for_the_flat_buffer(point, monkeypatch, free, host):
+    # DeepSpeed flattens the bf16 parameters (nanovlm_tiny's 81,344, all trainable) into one buffer: on the card
+    # where NVML says it fits, else through the host: a pageable copy of each parameter (.cpu()) and the flat
+    # buffer made there, 2 x 2 B a parameter at once, then the buffer copied to the card. The same buffers end
+    # on the card either way.
+    pytest.importorskip("deepspeed")
+    import sys
+
+    from vlmprobe.distributed import deepspeed_engine
+
+    monkeypatch.setattr(deepspeed_engine, "cuda_free_bytes", lambda *args, **kwargs: sys.maxsize if free == "room" else 0)
+    base = [*TINY, "dist=zero2", *SMALL, "train.param_dtype=bfloat16", "train.autocast_dtype=null"]
+    rank0 = run_dist(point, base + ["measure.backend=estimate"])["ranks"][0]
+    assert rank0["status"] == "ok", rank0.get("error")
+    assert (rank0["peak_host_bytes"], rank0["after_step_host_bytes"]) == (host, 0)
+    assert rank0["after_load_bytes"] == 427_520  # the same on the card whichever way (the room case's figure)
+
+
+def test_the_free_memory_deepspeed_reads_is_what_nvml_would_report_on_the_points_card(compose):
+    import sys
+    from types import SimpleNamespace
+
+    from omegaconf import OmegaConf
+
+    from vlmprobe.distributed.deepspeed_engine import cuda_free_bytes
+    from vlmprobe.estimate.device_profile import from_config
+
+    def point(*overrides):
+        return OmegaConf.to_container(compose(list(overrides)), resolve=True)
+
+    held = SimpleNamespace(reserved=10 * 2**30)  # the allocator model holds 10 GiB
+    h100 = from_config(point("device=h100_80gb")["device"])
+    assert cuda_free_bytes(point("device=h100_80gb"), held) == h100.total_memory - h100.cuda_context_bytes - 10 * 2**30
+    assert cuda_free_bytes(point("device=h100_80gb", "measure.device_memory=12884901888"), held) == \
+        2 * 2**30 - h100.cuda_context_bytes  # a 12 GiB card imposed: its bytes, the H100's context
+    assert cuda_free_bytes(point("measure.device_memory=12884901888"), held) == 2 * 2**30  # no profile: no context
+    assert cuda_free_bytes(point(), held) == sys.maxsize  # no card: room for anything

@@ -7,8 +7,8 @@ the user's own JSON (dist.deepspeed_config) with the "auto" values HF Trainer fi
 point as it would (transformers integrations/deepspeed.py: batch sizes, precision, bucket sizes from the
 LM's hidden size).
 
-Five things a real job does not meet are answered where they are met, and nothing else of DeepSpeed is
-touched: 1. and 2. on fake tensors (the estimate), 3. and 5. on a fake group, 4. where the device is the CPU.
+Six things a real job does not meet are answered where they are met, and nothing else of DeepSpeed is
+touched: 1. and 2. on fake tensors (the estimate), 3. and 5. on a fake group, 4. and 6. where the device is the CPU.
 Real ranks in a real job run DeepSpeed's own code (but for 4. on the cpu backend). Checked against real gloo
 ranks (tests/test_deepspeed.py): the point's peak to the byte; per rank and phase within 16 KiB (real ranks
 themselves vary that much from run to run):
@@ -29,6 +29,17 @@ themselves vary that much from run to run):
    compiler). Only tensor-parallel inference calls it (inference_all_reduce), never ZeRO, and on a fake group
    no rank shares memory with another (the op's initialize sets nothing up without LOCAL_SIZE), so while the
    group is fake the op is not built. Real gloo ranks build it as DeepSpeed does.
+6. stages 1-2 flatten each parameter group into one buffer (stage_1_and_2.py, DeepSpeedZeroOptimizer.__init__):
+   on the device where `get_accelerator().available_memory()` (after `empty_cache()`) holds it, the model's
+   parameters and the buffer both alive meanwhile; else the parameters are first copied to the host (`.cpu()`),
+   freed on the device, flattened there and the buffer copied back, so the device never holds both. On CUDA
+   that is NVML's free memory: the card's total less its CUDA context and what the caching allocator holds.
+   The CPU accelerator answers the machine's free RAM, which would make the choice depend on the machine the
+   estimate runs on; so while the engine is made on the CPU, `empty_cache()` empties the allocator model and
+   `available_memory()` answers as CUDA would on the point's card (measure.device_memory or the device
+   profile's total, less the profile's context where known, less the model's reserved bytes; with neither
+   the card is taken to have room, and the group is flattened on the device). The host copies are host memory
+   (vlmprobe.distributed.host_memory: peak_host_bytes), as on CUDA.
 Offload to the CPU runs on every backend; on cpu and estimate, where the device is the CPU too, the buffers
 DeepSpeed makes on the host are counted apart (vlmprobe.distributed.host_memory: peak_host_bytes, outside
 every device figure). DeepSpeed's optimizer is then AdamW with `torch_adam` (no compiled CPUAdam op).
@@ -148,6 +159,23 @@ def check_point(point: dict, hidden_size: int, trainable: dict[str, list[str]]) 
         f"{train['param_dtype']})")
 
 
+def cuda_free_bytes(point: dict, allocator, device_index=None) -> int:
+    """What NVML reports free on the point's card (DeepSpeed's CUDA accelerator: available_memory), as the
+    allocator model stands: the card's bytes (measure.device_memory, else the device profile's total) less the
+    profile's CUDA context where known, less the bytes the caching allocator holds. A point with no card has
+    room for anything: sys.maxsize."""
+    import sys
+
+    from vlmprobe.estimate import device_profile
+
+    profile = device_profile.from_config(point.get("device"))
+    total = device_profile.capacity(point["measure"].get("device_memory"), profile)
+    if total is None:
+        return sys.maxsize
+    context = profile.cuda_context_bytes if profile is not None and profile.cuda_context_bytes else 0
+    return max(total - context - allocator.reserved, 0)
+
+
 def offloads(config: dict, what=("offload_optimizer", "offload_param")) -> bool:
     """Whether a DeepSpeed config offloads any of `what` (the optimizer, the parameters) to the CPU or NVMe."""
     zero = config.get("zero_optimization") or {}
@@ -232,14 +260,20 @@ class DeepSpeedEngine(Engine):
         if self.fake:
             model.to = lambda *args, **kwargs: model  # change 1 of the module doc
         accelerator = deepspeed.get_accelerator()
+        answered = ("is_fp16_supported", "empty_cache", "available_memory")
         if self.device.type == "cpu":
             accelerator.is_fp16_supported = lambda: True  # change 4 of the module doc
+            if self.host_tracker is not None:  # change 6 (the host placement is on wherever stages 1-2 run)
+                allocator = self.host_tracker.allocator
+                accelerator.empty_cache = allocator.empty_cache
+                accelerator.available_memory = functools.partial(cuda_free_bytes, self.point, allocator)
         try:
             return deepspeed.initialize(model=model, config=config, dist_init_required=False, **kwargs)
         finally:
             if self.fake:
                 del model.to
-            accelerator.__dict__.pop("is_fp16_supported", None)
+            for name in answered:
+                accelerator.__dict__.pop(name, None)
 
     @property
     def stage(self) -> int:
@@ -275,7 +309,8 @@ class DeepSpeedEngine(Engine):
 
     def host_placement(self):
         config = deepspeed_config(self.point, hidden_size=1)  # the hidden size sets bucket sizes only
-        if not offloads(config):
+        # stages 1-2 may move a parameter group to the host to flatten it (change 6 of the module doc)
+        if not offloads(config) and zero_stage(config) not in (1, 2):
             return None
         from vlmprobe.distributed.host_memory import host_placement
 
