@@ -45,3 +45,28 @@ def qwen2_params(t: dict) -> int:
     q, kv = t["num_attention_heads"] * head, t["num_key_value_heads"] * head
     layer = (d * q + q) + 2 * (d * kv + kv) + q * d + 3 * d * f + 2 * d
     return t["vocab_size"] * d + t["num_hidden_layers"] * layer + d
+
+
+def qwen3_vl_vision_params(v: dict) -> int:
+    """Hand count of a Qwen3-VL vision tower from its config (no transformers): Conv3d patch embedding with
+    bias, the learned position table; per block two LayerNorms, qkv and proj with bias, a 2-Linear MLP with
+    bias; the merger (LayerNorm over the width, two Linears 4 * width -> 4 * width -> out) and one DeepStack
+    projector per deepstack index (the same, its LayerNorm over 4 * width)."""
+    d, f, out = v["hidden_size"], v["intermediate_size"], v["out_hidden_size"]
+    patch = v["in_channels"] * v["temporal_patch_size"] * v["patch_size"] ** 2 * d + d
+    block = 2 * 2 * d + (d * 3 * d + 3 * d) + (d * d + d) + (d * f + f) + (f * d + d)
+    merged = d * v["spatial_merge_size"] ** 2
+    linears = (merged * merged + merged) + (merged * out + out)
+    deepstack = len(v["deepstack_visual_indexes"]) * (2 * merged + linears)
+    return patch + v["num_position_embeddings"] * d + v["depth"] * block + (2 * d + linears) + deepstack
+
+
+def qwen3_moe_lm_params(t: dict) -> int:
+    """A Qwen3-MoE LM without its head (Qwen3-VL-MoE's): qk_norm_lm_params' Qwen3 layers whose MLP is, in each
+    layer not in mlp_only_layers, a router (num_experts x width, no bias) and num_experts SwiGLU experts of
+    moe_intermediate_size without bias (gate, up and down: 3 x width x moe_intermediate each)."""
+    d, experts = t["hidden_size"], t["num_experts"]
+    sparse = [i for i in range(t["num_hidden_layers"]) if i not in t["mlp_only_layers"]
+              and (i + 1) % t["decoder_sparse_step"] == 0]
+    moe = experts * d + experts * 3 * d * t["moe_intermediate_size"]
+    return qk_norm_lm_params(t, 2) + len(sparse) * (moe - 3 * d * t["intermediate_size"])

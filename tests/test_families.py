@@ -16,6 +16,7 @@ FAMILIES = {  # tiny config -> data that fits it (the images take 16 tokens in e
     # idefics3_tiny and internvl_tiny, one per image in mllama_tiny)
     "qwen2_5_vl_tiny": ["data.batch_size=2", "data.lm_max_length=64"],
     "qwen3_vl_tiny": ["data.batch_size=2", "data.lm_max_length=48"],
+    "qwen3_vl_moe_tiny": ["data.batch_size=2", "data.lm_max_length=48"],
     "llava_tiny": ["data.batch_size=2", "data.lm_max_length=48"],
     "llava_next_tiny": ["data.batch_size=2", "data.lm_max_length=48"],  # 36 image tokens: base tile + 2 tiles
     "idefics3_tiny": ["data.batch_size=2", "data.lm_max_length=48"],
@@ -28,7 +29,7 @@ FAMILIES = {  # tiny config -> data that fits it (the images take 16 tokens in e
 }
 # the projector of each family where it is a module of its own (Qwen's merger, and Qwen3-VL's DeepStack
 # projectors, live inside its vision tower, frozen with it)
-PROJECTORS = {"qwen2_5_vl_tiny": set(), "qwen3_vl_tiny": set(), "llava_tiny": {"multi_modal_projector"},
+PROJECTORS = {"qwen2_5_vl_tiny": set(), "qwen3_vl_tiny": set(), "qwen3_vl_moe_tiny": set(), "llava_tiny": {"multi_modal_projector"},
               "llava_next_tiny": {"multi_modal_projector", "image_newline"}, "idefics3_tiny": {"connector"},
               "gemma3_tiny": {"multi_modal_projector"}, "mllama_tiny": {"multi_modal_projector"},
               "internvl_tiny": {"multi_modal_projector"}, "paligemma_tiny": {"multi_modal_projector"},
@@ -92,7 +93,7 @@ SLOW_SETTINGS = {"fp32", "fp32+bf16_autocast"}
 
 
 # Families added later keep one setting (every knob at once) in the non-slow suite, within its time budget
-ONE_FAST_SETTING = {"qwen3_vl_tiny", "llava_next_tiny", "llava_onevision_tiny", "mistral3_tiny"}
+ONE_FAST_SETTING = {"qwen3_vl_tiny", "qwen3_vl_moe_tiny", "llava_next_tiny", "llava_onevision_tiny", "mistral3_tiny"}
 
 
 @pytest.mark.parametrize("family,setting", [

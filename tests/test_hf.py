@@ -5,7 +5,9 @@ tests/data/hf/ holds config.json files in the Hub's own layouts (flat Qwen confi
 rope_scaling and in_chans, LLaVA's nested sub-configs that leave Llama/CLIP defaults out), written from the
 published files of Qwen/Qwen2.5-VL-7B-Instruct, Qwen/Qwen2-VL-2B-Instruct, llava-hf/llava-1.5-7b-hf,
 Qwen/Qwen3-VL-8B-Instruct and llava-hf/llava-v1.6-mistral-7b-hf (the last two from copies of the Hub files in
-public code: no hub access here),
+public code: no hub access here), and Qwen/Qwen3-VL-30B-A3B-Instruct (a public copy of its architecture fields; the
+text tower's bos/eos ids and hidden_act, which that copy leaves out, as the Qwen3-VL-8B file has them; no
+preprocessor_config.json, so Qwen3-VL's published pixel bounds),
 and tiny ones in the same layouts."""
 
 import pytest
@@ -20,7 +22,8 @@ DATA = TESTS / "data" / "hf"
 # keys a config.json may carry that transformers keeps but no model reads (the Hub files have them)
 UNREAD = {"vision_config.in_chans", "vision_config.spatial_patch_size", "vision_config.vocab_size",
           "text_config._flash_attn_2_enabled", "vision_config.max_image_size", "vision_config.size",
-          "vision_config.use_base_siglip", "vision_config.tie_word_embeddings"}
+          "vision_config.use_base_siglip", "vision_config.tie_word_embeddings",
+          "text_config.norm_topk_prob"}  # Qwen3-VL-MoE's router always renormalises its top-k weights
 
 
 def flat(config: dict, prefix: str = "") -> dict:
@@ -49,6 +52,7 @@ def spec(compose):
     ("SmolVLM-256M-Instruct", "smolvlm_256m", 256_484_928),
     ("gemma-3-4b-it", "gemma3_4b", 4_300_079_472),
     ("Qwen3-VL-8B-Instruct", "qwen3_vl_8b", 8_767_123_696),
+    ("Qwen3-VL-30B-A3B-Instruct", "qwen3_vl_30b_a3b", 31_070_754_032),
     ("llava-v1.6-mistral-7b-hf", "llava_v1_6_mistral_7b", 7_566_747_648),
     ("paligemma2-3b-pt-224", "paligemma2_3b_224", 3_032_242_416),
     ("llava-onevision-qwen2-7b-ov-hf", "llava_onevision_qwen2_7b", 8_030_807_584),
@@ -139,7 +143,7 @@ def _write(path, text):
     ("not an object", r"model.config=.*/list.json is not allowed: it is JSON but not an object of config keys"),
     ("unsupported family", r"model.config=.*/molmo is not allowed: its model_type 'molmo' is not a family vlmprobe "
                            r"builds \(supported: gemma3, idefics3, internvl, llava, llava_next, llava_onevision, mistral3, mllama, "
-                           r"paligemma, qwen2_5_vl, qwen2_vl, qwen3_vl, smolvlm\)"),
+                           r"paligemma, qwen2_5_vl, qwen2_vl, qwen3_vl, qwen3_vl_moe, smolvlm\)"),
     ("no model_type", r"model.config=.*/bare.json is not allowed: its model_type None is not a family"),
 ])
 def test_a_config_path_that_cannot_be_used_is_one_line(plan_points, tmp_path, case, message):

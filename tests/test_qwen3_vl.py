@@ -6,7 +6,7 @@ positions against the model's own: test_qwen2_vl.py.)"""
 import pytest
 import torch
 
-from hand_counts import qk_norm_lm_params
+from hand_counts import qk_norm_lm_params, qwen3_vl_vision_params
 from vlmprobe.errors import ConfigError
 from vlmprobe.models.base import DataShape, count_params
 from vlmprobe.worker import measure
@@ -22,20 +22,6 @@ def spec(compose):
     return lambda name: instantiate(compose([f"model={name}"]).model, _convert_="all")
 
 
-def vision_params(v: dict) -> int:
-    """Hand count of a Qwen3-VL vision tower from its config (no transformers): Conv3d patch embedding with
-    bias, the learned position table; per block two LayerNorms, qkv and proj with bias, a 2-Linear MLP with
-    bias; the merger (LayerNorm over the width, two Linears 4 * width -> 4 * width -> out) and one DeepStack
-    projector per deepstack index (the same, its LayerNorm over 4 * width)."""
-    d, f, out = v["hidden_size"], v["intermediate_size"], v["out_hidden_size"]
-    patch = v["in_channels"] * v["temporal_patch_size"] * v["patch_size"] ** 2 * d + d
-    block = 2 * 2 * d + (d * 3 * d + 3 * d) + (d * d + d) + (d * f + f) + (f * d + d)
-    merged = d * v["spatial_merge_size"] ** 2
-    linears = (merged * merged + merged) + (merged * out + out)
-    deepstack = len(v["deepstack_visual_indexes"]) * (2 * merged + linears)
-    return patch + v["num_position_embeddings"] * d + v["depth"] * block + (2 * d + linears) + deepstack
-
-
 def test_qwen3_vl_8b_on_meta_matches_the_hand_count_of_its_config(spec):
     # The model card says "8B"; the Hub's safetensors count (recalled, not re-read: no hub access here) is
     # "8.77B", which this exact count rounds to
@@ -44,7 +30,7 @@ def test_qwen3_vl_8b_on_meta_matches_the_hand_count_of_its_config(spec):
     assert count_params(model) == (8_767_123_696, 8_767_123_696)
     parts = (model.model.visual, model.model.language_model, model.lm_head)
     assert tuple(count_params(m)[0] for m in parts) == (576_388_336, 7_568_405_504, 622_329_856)  # untied head
-    assert count_params(model.model.visual)[0] == vision_params(qwen.vision)
+    assert count_params(model.model.visual)[0] == qwen3_vl_vision_params(qwen.vision)
     assert count_params(model.model.language_model)[0] == qk_norm_lm_params(qwen.text, 2)  # Qwen3: 2 norms a layer
     assert len(model.model.visual.deepstack_merger_list) == 3
 

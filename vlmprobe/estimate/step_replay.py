@@ -185,7 +185,9 @@ class _View:
 
 class _Results:
     """The forward's (loss, outputs) as a tree whose tensor leaves are described by the log index of their
-    storage's allocation and their place in it; None if a leaf is neither such a tensor nor a plain value."""
+    storage's allocation and their place in it; None if a leaf is neither such a tensor nor a plain value, or if
+    the tree cannot be rebuilt from its leaves (transformers' ModelOutput pytree rebuilds an output from its class's
+    fields: Qwen3-VL-MoE's vision output, given router_logits by transformers' output capture, has no such field)."""
 
     def __init__(self, slots, spec, views):
         self.slots = slots  # per leaf: ("value", v), or ("tensor", first leaf position of the same tensor)
@@ -195,6 +197,10 @@ class _Results:
     @classmethod
     def of(cls, results, log: AllocationLog, tracker) -> _Results | None:
         leaves, spec = tree_flatten(results)
+        try:
+            tree_unflatten(leaves, spec)
+        except TypeError:
+            return None
         slots, views, first = [], {}, {}
         for position, leaf in enumerate(leaves):
             if isinstance(leaf, torch.Tensor):
@@ -228,7 +234,7 @@ class _Plan:
         every block (see the module doc)."""
         events, (forward_end, backward_start) = log.events, log.marks
         if results is None:
-            return None, "a result is neither a tensor the forward allocated nor a plain value"
+            return None, "a result is neither a tensor the forward allocated nor a plain value, or cannot be rebuilt"
         if any(e >= 0 for e in events[forward_end:backward_start]):
             return None, "allocated between the forward and the backward"
         freed_at = _freed_at(events)

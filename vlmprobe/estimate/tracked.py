@@ -17,6 +17,7 @@ from vlmprobe.backends.base import Backend
 from vlmprobe.estimate.sdpa_choice import cuda_sdpa_choice
 from vlmprobe.estimate.fake_patches import real_run_answers_for_fake_batches
 from vlmprobe.estimate.flash_attn_standin import flash_attention_standin
+from vlmprobe.estimate.grouped_mm import cuda_grouped_mm
 from vlmprobe.estimate.tracker import LiveBytesTracker
 
 
@@ -93,6 +94,7 @@ class TrackedBackend(Backend):
                 fake = stack.enter_context(session_mode())
                 stack.enter_context(real_run_answers_for_fake_batches())
                 stack.enter_context(flash_attention_standin())  # flash_attention_2 without the package or a GPU
+                stack.enter_context(cuda_grouped_mm())  # MoE experts: CUDA's dtypes and output layout, not the meta kernel's
             tracker = stack.enter_context(LiveBytesTracker(
                 capacity, answer_fake_scalar_reads=self.fake, settings=settings, allowed_maximum=allowed_maximum,
                 blas_workspaces=device_profile.workspace_blocks(device)))

@@ -27,6 +27,24 @@ its tokens, and how many tokens that text takes only the model's tokenizer can s
 
 Towers: the merger and the DeepStack projectors live inside `visual`, so they go with the vision tower
 (frozen with it), as for Qwen2-VL's merger.
+
+Qwen3-VL-MoE (Qwen3-VL-30B-A3B, 235B-A22B; `Qwen3VLMoeSpec`) is this model with a mixture-of-experts LM: in each
+layer a router (a num_experts x width weight, softmax, top num_experts_per_tok, renormalised) and the experts as
+two fused 3-D weights, gate_up_proj (experts, 2 x moe_intermediate, width) and down_proj (experts, width,
+moe_intermediate), run as transformers' `experts_implementation` says (transformers 5.24, integrations/moe.py):
+- "grouped_mm" (its default): the (token, choice) pairs sorted by expert, the tokens gathered in that order
+  (tokens x top_k rows), one grouped multiply per projection over every expert's weights (torch._grouped_mm),
+  the routing weights applied and the rows put back in order and summed per token. What it allocates and keeps
+  for backward is sized by tokens x top_k, whichever experts the router picks, so fake tensors give it exactly.
+  grouped_mm has no autocast kernel and transformers casts the tokens to the experts' dtype: fp32 weights under
+  bf16 autocast run the experts in fp32 on CUDA (its fallback kernel), and so here (estimate/grouped_mm.py).
+- "batched_mm": each (token, choice) pair gathers its expert's weights, (tokens x top_k, 2 x moe_intermediate,
+  width) and (tokens x top_k, width, moe_intermediate) per layer, and multiplies them one by one (bmm): meant
+  for decoding a few tokens, a training sequence's gathered weights alone are tokens x top_k times one expert.
+- "eager" (a Python loop over the experts the router hit, each taking its tokens) is refused: its tensors' sizes
+  are how many tokens each expert got, which random weights decide, and fake tensors cannot know.
+LoRA (train.lora_target_modules) adapts nn.Linear modules by name: the experts are not modules of their own, so
+they stay frozen under LoRA, as peft's target_modules leaves them (the router `gate` likewise).
 """
 
 from __future__ import annotations
@@ -53,3 +71,27 @@ class Qwen3VLSpec(Qwen2VLSpec):
                               f"Qwen3-VL writes every frame's timestamp into the prompt as text that only its "
                               f"tokenizer can count; videos are modelled for Qwen2-VL and Qwen2.5-VL; use 0")
         return 0
+
+
+EXPERTS_IMPLEMENTATIONS = ("grouped_mm", "batched_mm")  # transformers' experts_implementation values modelled here
+
+
+class Qwen3VLMoeSpec(Qwen3VLSpec):
+    """Hydra target for conf/model/qwen3_vl_moe_*.yaml and qwen3_vl_30b_a3b.yaml: Qwen3-VL with a mixture-of-experts LM."""
+
+    config_class = "Qwen3VLMoeConfig"
+    model_class = "Qwen3VLMoeForConditionalGeneration"
+
+    def __init__(self, *args, experts_implementation: str = "grouped_mm", **kwargs):
+        super().__init__(*args, **kwargs)
+        if experts_implementation not in EXPERTS_IMPLEMENTATIONS:
+            why = (" (eager's tensors are sized by how many tokens the router sends each expert, which fake tensors "
+                   "cannot know)" if experts_implementation == "eager" else "")
+            raise ConfigError(f"model.experts_implementation={experts_implementation!r} is not allowed for "
+                              f"{self.name}: use {' or '.join(EXPERTS_IMPLEMENTATIONS)}{why}")
+        self.experts_implementation = experts_implementation
+
+    def config(self):
+        config = super().config()
+        config._experts_implementation = self.experts_implementation  # transformers' setter sets the sub-configs too
+        return config
