@@ -39,7 +39,8 @@ themselves vary that much from run to run):
    `available_memory()` answers as CUDA would on the point's card (measure.device_memory or the device
    profile's total, less the profile's context where known, less the model's reserved bytes; with neither
    the card is taken to have room, and the group is flattened on the device). The host copies are host memory
-   (vlmprobe.distributed.host_memory: peak_host_bytes), as on CUDA.
+   (vlmprobe.distributed.host_memory: peak_host_bytes), as on CUDA, and so is everything the flatten through the
+   host makes (the padding DeepSpeed makes on the host copies' `.device`, which here names the device too).
 Offload to the CPU runs on every backend; on cpu and estimate, where the device is the CPU too, the buffers
 DeepSpeed makes on the host are counted apart (vlmprobe.distributed.host_memory: peak_host_bytes, outside
 every device figure). DeepSpeed's optimizer is then AdamW with `torch_adam` (no compiled CPUAdam op).
@@ -268,12 +269,36 @@ class DeepSpeedEngine(Engine):
                 accelerator.empty_cache = allocator.empty_cache
                 accelerator.available_memory = functools.partial(cuda_free_bytes, self.point, allocator)
         try:
-            return deepspeed.initialize(model=model, config=config, dist_init_required=False, **kwargs)
+            with self._flattened_on_the_host_side():
+                return deepspeed.initialize(model=model, config=config, dist_init_required=False, **kwargs)
         finally:
             if self.fake:
                 del model.to
             for name in answered:
                 accelerator.__dict__.pop(name, None)
+
+    @contextlib.contextmanager
+    def _flattened_on_the_host_side(self):
+        """Change 6's flatten through the host made on the host (see the module doc); nothing where the host is not
+        told apart."""
+        if self.host_tracker is None:
+            yield
+            return
+        from unittest import mock
+
+        from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+
+        from vlmprobe.distributed.host_memory import made_on
+
+        original = DeepSpeedZeroOptimizer.flatten_dense_tensors_aligned
+
+        def flatten_dense_tensors_aligned(optimizer, tensor_list, alignment, use_cpu_data=False, param_padding=None):
+            with made_on("host") if use_cpu_data else contextlib.nullcontext():
+                return original(optimizer, tensor_list, alignment, use_cpu_data=use_cpu_data,
+                                param_padding=param_padding)
+
+        with mock.patch.object(DeepSpeedZeroOptimizer, "flatten_dense_tensors_aligned", flatten_dense_tensors_aligned):
+            yield
 
     @property
     def stage(self) -> int:

@@ -75,8 +75,26 @@ def placed(where: str | None):
         PLACEMENT.reset(token)
 
 
+# the side DeepSpeed's factories make buffers on whatever device they name, inside `made_on` (None: by the name)
+_MADE_ON: contextvars.ContextVar[str | None] = contextvars.ContextVar("made on", default=None)
+
+
+@contextlib.contextmanager
+def made_on(side: str):
+    """DeepSpeed's factories make what they make on `side` while on: where DeepSpeed names the device by a host
+    tensor's `.device` (stage 1-2's flatten through the host pads the host copies with `torch.zeros(...,
+    device=tensor.device)`: the host on CUDA, and on the CPU no different from the device's name)."""
+    token = _MADE_ON.set(side)
+    try:
+        yield
+    finally:
+        _MADE_ON.reset(token)
+
+
 def side_of_device(device) -> str:
     """'device' or 'host': where a buffer made with this `device` argument lives on CUDA."""
+    if _MADE_ON.get() is not None:
+        return _MADE_ON.get()
     if device is None:  # torch's default device: the CPU, but the device where a caller placed it (the build)
         return PLACEMENT.get() or "host"
     if isinstance(device, (AcceleratorDevice, torch.device)):
