@@ -22,7 +22,10 @@
 #                       rows, and two: 72, aligned) on cuda, then scripts/check_estimate.py --cuda-dir on it
 #                       (pixtral_mask_vs_estimate): whether the memory-efficient kernel's padded mask copies, or
 #                       cuDNN taking the mask as it is on sm90, are what the card does
-#   8b. dist            every engine at world size 1 (+sweep=dist_world1: ddp, fsdp2 with and without CPU offload,
+#   8b. moe             Qwen3-VL-MoE's experts (qwen3_vl_moe_tiny) on cuda: fp32 weights under bf16 autocast (grouped_mm
+#                       in fp32: CUDA's fallback kernel) and bf16 weights (the CUTLASS kernel on sm90), grouped_mm and
+#                       batched_mm, then scripts/check_estimate.py --cuda-dir on it (moe_vs_estimate)
+#   8c. dist            every engine at world size 1 (+sweep=dist_world1: ddp, fsdp2 with and without CPU offload,
 #                       zero2, zero3 with and without offload; DeepSpeed's rows are skipped where it is not
 #                       installed) on cuda, then scripts/check_estimate.py --cuda-dir on it (dist_vs_estimate)
 #   9. nanovlm_code     nanoVLM's own model code (a checkout at VLMPROBE_NANOVLM_DIR, or .nanovlm/ in the repository
@@ -31,13 +34,13 @@
 #  10. baseline         the first baseline of this device (results/baseline/<device>/<sweep>/) when none exists
 # Needs nothing but the installed project (pip install -e ".[test]") and a CUDA GPU; about 15 minutes on an H100.
 # In parts, where a command may run only so long (10 minutes through the device tool):
-#   VLMPROBE_GPU_CHECK_ONLY="cuda_tests nightly"   the named steps of 1, 2, 5, 6, 7, 8, 8a, 8b, 9 only, each with the steps
+#   VLMPROBE_GPU_CHECK_ONLY="cuda_tests nightly"   the named steps of 1, 2, 5, 6, 7, 8, 8a-8c, 9 only, each with the steps
 #                                                  that read its output (3-4 and 10 with 2, the replay with 6, ...)
 # On a machine reached through a tool that returns few files, pack the directory: tar czf out.tgz -C DIR .
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
-PARTS="cuda_tests nightly recording_cost allocator grpo dpo pixtral_mask dist nanovlm_code"
+PARTS="cuda_tests nightly recording_cost allocator grpo dpo pixtral_mask moe dist nanovlm_code"
 ONLY=" ${VLMPROBE_GPU_CHECK_ONLY:-$PARTS} "
 for part in $ONLY; do
   if [[ " $PARTS " != *" $part "* ]]; then
@@ -114,6 +117,14 @@ if wanted pixtral_mask; then
     train.autocast_dtype=null '+sweep.axes.data.batch_size=[1,2]'
   PIXTRAL=$(newest "$OUT/pixtral_mask/pixtral_mask")
   [ -n "$PIXTRAL" ] && step pixtral_mask_vs_estimate python scripts/check_estimate.py --parts cuda --cuda-dir "$PIXTRAL"
+fi
+
+if wanted moe; then
+  step moe python -m vlmprobe model=qwen3_vl_moe_tiny measure.backend=cuda "results_dir=$OUT/moe" sweep.name=moe \
+    data.batch_size=2 data.lm_max_length=48 '+sweep.axes.train.param_dtype=[float32,bfloat16]' \
+    '+sweep.axes.model.experts_implementation=[grouped_mm,batched_mm]'
+  MOE=$(newest "$OUT/moe/moe")
+  [ -n "$MOE" ] && step moe_vs_estimate python scripts/check_estimate.py --parts cuda --cuda-dir "$MOE"
 fi
 if wanted dist; then
   step dist python -m vlmprobe +sweep=dist_world1 measure.backend=cuda "results_dir=$OUT/dist"
