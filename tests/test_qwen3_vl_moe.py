@@ -112,7 +112,8 @@ def test_torchs_own_meta_kernel_refuses_fp32_which_cuda_runs():
         torch._grouped_mm(tokens, experts.transpose(-2, -1), offs=torch.empty(4, dtype=torch.int32, device="meta"))
 
 
-@pytest.mark.parametrize("extra", [["model.experts_implementation=batched_mm"], ["model.text.output_router_logits=true"]])
+@pytest.mark.parametrize("extra", [["model.experts_implementation=batched_mm"],
+                                   ["model.text.output_router_logits=true"]])
 def test_batched_experts_and_the_router_loss_estimate_equals_the_cpu_backend_to_the_byte(plan_points, extra):
     base = ["model=qwen3_vl_moe_tiny", "data.batch_size=2", "data.lm_max_length=48", *extra]
     rows = {}

@@ -32,7 +32,7 @@ import warnings
 import torch
 from torch.library import Library
 
-TMA_ALIGNMENT = 16  # bytes: every stride of the output but the last a multiple of this (create_grouped_gemm_output_tensor)
+TMA_ALIGNMENT = 16  # bytes: the output's strides but the last are multiples (create_grouped_gemm_output_tensor)
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # _grouped_mm_validate_inputs
 
 

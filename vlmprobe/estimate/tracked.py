@@ -94,7 +94,7 @@ class TrackedBackend(Backend):
                 fake = stack.enter_context(session_mode())
                 stack.enter_context(real_run_answers_for_fake_batches())
                 stack.enter_context(flash_attention_standin())  # flash_attention_2 without the package or a GPU
-                stack.enter_context(cuda_grouped_mm())  # MoE experts: CUDA's dtypes and output layout, not the meta kernel's
+                stack.enter_context(cuda_grouped_mm())  # MoE experts: CUDA's dtypes and output layout
             tracker = stack.enter_context(LiveBytesTracker(
                 capacity, answer_fake_scalar_reads=self.fake, settings=settings, allowed_maximum=allowed_maximum,
                 blas_workspaces=device_profile.workspace_blocks(device)))

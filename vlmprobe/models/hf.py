@@ -36,8 +36,9 @@ def families() -> dict:
     from vlmprobe.models.qwen2_vl import Qwen2VLSpec
     from vlmprobe.models.qwen3_vl import Qwen3VLMoeSpec, Qwen3VLSpec
 
-    return {"qwen2_vl": Qwen2VLSpec, "qwen2_5_vl": Qwen2_5_VLSpec, "qwen3_vl": Qwen3VLSpec, "qwen3_vl_moe": Qwen3VLMoeSpec,
-            "llava": LlavaSpec, "llava_next": LlavaNextSpec, "llava_onevision": LlavaOnevisionSpec, "idefics3": Idefics3Spec,
+    return {"qwen2_vl": Qwen2VLSpec, "qwen2_5_vl": Qwen2_5_VLSpec, "qwen3_vl": Qwen3VLSpec,
+            "qwen3_vl_moe": Qwen3VLMoeSpec, "llava": LlavaSpec, "llava_next": LlavaNextSpec,
+            "llava_onevision": LlavaOnevisionSpec, "idefics3": Idefics3Spec,
             "smolvlm": SmolVLMSpec, "gemma3": Gemma3Spec,
             "mllama": MllamaSpec, "internvl": InternVLSpec, "paligemma": PaliGemmaSpec, "mistral3": Mistral3Spec}
 

@@ -77,7 +77,7 @@ EXPERTS_IMPLEMENTATIONS = ("grouped_mm", "batched_mm")  # transformers' experts_
 
 
 class Qwen3VLMoeSpec(Qwen3VLSpec):
-    """Hydra target for conf/model/qwen3_vl_moe_*.yaml and qwen3_vl_30b_a3b.yaml: Qwen3-VL with a mixture-of-experts LM."""
+    """Hydra target for conf/model/qwen3_vl_30b_a3b.yaml and qwen3_vl_moe_tiny.yaml: Qwen3-VL, mixture-of-experts LM."""
 
     config_class = "Qwen3VLMoeConfig"
     model_class = "Qwen3VLMoeForConditionalGeneration"
