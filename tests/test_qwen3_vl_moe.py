@@ -151,3 +151,10 @@ def test_batched_experts_keep_each_pairs_gathered_expert_weights(plan_points):
 def test_an_experts_implementation_not_modelled_is_one_line(plan_points, value, message):
     with pytest.raises(ConfigError, match=message):
         plan_points(["model=qwen3_vl_moe_tiny", f"model.experts_implementation={value}"])
+
+
+@pytest.mark.parametrize("top_k", [0, 9, "two"])
+def test_routing_to_no_expert_or_more_than_there_are_is_one_line(plan_points, top_k):
+    with pytest.raises(ConfigError, match=rf"model.text.num_experts_per_tok={top_k!r} is not allowed for "
+                                          r"qwen3_vl_moe_tiny: each token goes to 1 to num_experts \(8\) experts"):
+        plan_points(["model=qwen3_vl_moe_tiny", f"model.text.num_experts_per_tok={top_k}"])

@@ -49,7 +49,7 @@ they stay frozen under LoRA, as peft's target_modules leaves them (the router `g
 
 from __future__ import annotations
 
-from vlmprobe.errors import ConfigError
+from vlmprobe.errors import ConfigError, whole
 from vlmprobe.models.base import DataShape
 from vlmprobe.models.qwen2_vl import Qwen2VLSpec
 
@@ -90,6 +90,12 @@ class Qwen3VLMoeSpec(Qwen3VLSpec):
             raise ConfigError(f"model.experts_implementation={experts_implementation!r} is not allowed for "
                               f"{self.name}: use {' or '.join(EXPERTS_IMPLEMENTATIONS)}{why}")
         self.experts_implementation = experts_implementation
+        experts, top_k = self.text.get("num_experts", 0), self.text.get("num_experts_per_tok", 0)
+        # the router's topk would refuse more experts than there are (an error row after the model is built) and
+        # route nothing with none: refused here, before any work
+        if whole(experts) and experts > 0 and not (whole(top_k) and 1 <= top_k <= experts):
+            raise ConfigError(f"model.text.num_experts_per_tok={top_k!r} is not allowed for {self.name}: each token "
+                              f"goes to 1 to num_experts ({experts}) experts")
 
     def config(self):
         config = super().config()
