@@ -53,6 +53,9 @@ BAD_INPUT = {
     "LoRA alpha peft cannot use": (["model=nanovlm_tiny", "train.lora_r=4", "train.lora_alpha=x"],
                                    "train.lora_alpha='x', train.lora_dropout=0.0, train.lora_target_modules=['q_proj', "
                                    "'k_proj', 'v_proj', 'o_proj', 'out_proj'] is not allowed: peft"),
+    "LoRA names not a list": (["model=nanovlm_tiny", "train.lora_r=4", "train.lora_target_modules=q_proj"],
+                              "train.lora_target_modules='q_proj' is not allowed: give a list of names, e.g. [q_proj, "
+                              "v_proj]"),
     "model hyperparameter its constructor refuses": (["model=nanovlm_tiny", "model.text.hidden_size=-8"],
                                                      "model=nanovlm_tiny with its settings is not allowed: NanoVLMSpec"),
     "an axis value that is not a group option": (["+sweep=smoke", "+sweep.axes.model=[nanovlm_tiny,nope]"],

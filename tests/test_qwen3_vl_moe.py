@@ -158,3 +158,29 @@ def test_routing_to_no_expert_or_more_than_there_are_is_one_line(plan_points, to
     with pytest.raises(ConfigError, match=rf"model.text.num_experts_per_tok={top_k!r} is not allowed for "
                                           r"qwen3_vl_moe_tiny: each token goes to 1 to num_experts \(8\) experts"):
         plan_points(["model=qwen3_vl_moe_tiny", f"model.text.num_experts_per_tok={top_k}"])
+
+
+def test_lora_on_the_experts_keeps_each_layers_merged_expert_weights(plan_points):
+    # peft's target_parameters (ParamWrapper) adds B A to the whole expert stack in each forward (one baddbmm, in
+    # the weights' dtype: fp32 here, autocast off for it) and the grouped multiply keeps that merged weight for
+    # backward: gate_up 8 x 64 x 64 and down 8 x 64 x 32, x 4 B, in the tiny model's one MoE layer. With the
+    # experts now trained through the adapters, each multiply also keeps its input for the weight's gradient: the
+    # 192 sorted token rows (192 x 64 x 4 B) and the gated activations (192 x 32 x 4 B)
+    base = ["model=qwen3_vl_moe_tiny", "data.batch_size=2", "data.lm_max_length=48", "measure.steps=1",
+            "train.lora_r=4", "measure.backend=estimate"]
+    rows, trainable = {}, {}
+    for experts in ([], ["train.lora_target_parameters=[mlp.experts.gate_up_proj,mlp.experts.down_proj]"]):
+        (planned,) = plan_points([*base, *experts])
+        rows[bool(experts)], trainable[bool(experts)] = measure(planned.config), planned.inputs["trainable_params"]
+        assert rows[bool(experts)]["status"] == "ok", rows[bool(experts)].get("error")
+    merged = (8 * 64 * 64 + 8 * 64 * 32) * 4
+    inputs = (192 * 64 + 192 * 32) * 4
+    assert rows[True]["activations_bytes"] - rows[False]["activations_bytes"] == merged + inputs
+    # the adapters: A (rank x experts, in) and B (out, rank x experts) for each of the two stacks
+    assert trainable[True] - trainable[False] == 4 * 8 * (64 + 64) + 4 * 8 * (32 + 64)
+
+
+def test_lora_on_a_parameter_the_model_does_not_have_is_one_line(plan_points):
+    with pytest.raises(ConfigError, match=r"train.lora_target_parameters=\['mlp.experts.up_proj'\] is not allowed: no "
+                                          r"parameter of the language model ends with mlp.experts.up_proj"):
+        plan_points(["model=qwen3_vl_moe_tiny", "train.lora_r=4", "train.lora_target_parameters=[mlp.experts.up_proj]"])

@@ -70,12 +70,18 @@ def add_lora(modules: list[nn.Module], train: dict) -> None:
 
     from vlmprobe.quantization.lora_layers import STANDIN_LORA
 
+    parameters = list(train["lora_target_parameters"])
     config = LoraConfig(r=train["lora_r"], lora_alpha=train["lora_alpha"], lora_dropout=train["lora_dropout"],
-                        target_modules=list(train["lora_target_modules"]))
+                        target_modules=list(train["lora_target_modules"]), target_parameters=parameters or None)
     config._register_custom_module(STANDIN_LORA)  # the estimate's bitsandbytes stand-ins get peft's bnb forward
+    missing = [p for p in parameters if not any(n.endswith(p) for m in modules for n, _ in m.named_parameters())]
+    if missing:
+        raise ConfigError(f"train.lora_target_parameters={parameters} is not allowed: no parameter of the language "
+                          f"model ends with {missing[0]}")
     injected = 0
     for module in modules:
-        if any(isinstance(m, nn.Linear) and name.split(".")[-1] in config.target_modules for name, m in module.named_modules()):
+        if any(isinstance(m, nn.Linear) and name.split(".")[-1] in config.target_modules for name, m in module.named_modules()) \
+                or any(name.endswith(tuple(parameters)) for name, _ in module.named_parameters()):
             with fake_modules_move_by_data():
                 inject_adapter_in_model(config, module)
             cast_adapter_dtype(module, "default", autocast_adapter_dtype=True)
@@ -85,6 +91,7 @@ def add_lora(modules: list[nn.Module], train: dict) -> None:
     if not injected:
         raise ConfigError(f"train.lora_target_modules={list(train['lora_target_modules'])} is not allowed: no linear "
                           f"layer of the language model has such a name")
+
 
 
 @contextlib.contextmanager
@@ -109,6 +116,10 @@ def validate_knobs(train: dict) -> None:
     require_flags("train.grad_ckpt", train["grad_ckpt"], ("lm", "vision"))
     require_counts("train", train, ("lora_r",), low=0)
     require_counts("train", train, ("grad_accum_steps",))
+    for key in ("lora_target_modules", "lora_target_parameters"):
+        names = train[key]
+        if not isinstance(names, (list, tuple)) or not all(isinstance(n, str) and n for n in names):
+            raise ConfigError(f"train.{key}={names!r} is not allowed: give a list of names, e.g. [q_proj, v_proj]")
     dropout = train["lora_dropout"]
     if not isinstance(dropout, (int, float)) or isinstance(dropout, bool) or not 0.0 <= dropout < 1.0:
         raise ConfigError(f"train.lora_dropout={train['lora_dropout']!r} is not allowed: it must be in [0, 1)")

@@ -153,7 +153,8 @@ def _describe_model(model_json: str, train_json: str, optimizer_json: str) -> tu
     except Exception as exc:
         if not train["lora_r"]:
             raise  # freezing and checkpointing take no values a library could refuse: our own failure
-        lora = {k: train[k] for k in ("lora_r", "lora_alpha", "lora_dropout", "lora_target_modules")}
+        lora = {k: train[k] for k in ("lora_r", "lora_alpha", "lora_dropout", "lora_target_modules",
+                                      "lora_target_parameters") if k != "lora_target_parameters" or train[k]}
         raise refused(settings("train", lora), "peft (LoraConfig, inject_adapter_in_model)", exc) from None
     params, trainable = count_params(model)  # quantization is not applied here: `params` counts the model's weights
     described = {"params": params, "trainable_params": trainable, "optimizer": optimizer["_target_"].rsplit(".", 1)[-1]}

@@ -44,7 +44,9 @@ moe_intermediate), run as transformers' `experts_implementation` says (transform
 - "eager" (a Python loop over the experts the router hit, each taking its tokens) is refused: its tensors' sizes
   are how many tokens each expert got, which random weights decide, and fake tensors cannot know.
 LoRA (train.lora_target_modules) adapts nn.Linear modules by name: the experts are not modules of their own, so
-they stay frozen under LoRA, as peft's target_modules leaves them (the router `gate` likewise).
+they stay frozen under LoRA, as peft's target_modules leaves them (the router `gate` likewise), unless
+train.lora_target_parameters names their weights (peft's target_parameters: the whole stack merged with B A in
+every forward, vlmprobe.knobs.add_lora).
 """
 
 from __future__ import annotations
