@@ -28,6 +28,7 @@ def spec(compose):
 @pytest.mark.parametrize("name,params,parts", [
     # the model card says "30B-A3B" (Qwen3-30B-A3B's 30.5B language model and a 0.5B vision tower)
     ("qwen3_vl_30b_a3b", 31_070_754_032, (538_631_408, 30_220_957_696, 311_164_928)),
+    ("qwen3_vl_235b_a22b", 235_670_022_896, (576_388_336, 234_471_304_704, 622_329_856)),  # the card: "235B-A22B"
     ("qwen3_vl_moe_tiny", 304_320, (139_584, 131_968, 32_768)),  # layer 0 experts, layer 1 a dense MLP
 ])
 def test_qwen3_vl_moe_on_meta_matches_the_hand_count_of_its_config(spec, name, params, parts):
