@@ -300,15 +300,18 @@ def test_the_free_memory_deepspeed_reads_is_what_nvml_would_report_on_the_points
     from omegaconf import OmegaConf
 
     from vlmprobe.distributed.deepspeed_engine import cuda_free_bytes
-    from vlmprobe.estimate.device_profile import from_config
+    from vlmprobe.estimate.device_profile import capacity, from_config
 
-    def point(*overrides):
-        return OmegaConf.to_container(compose(list(overrides)), resolve=True)
+    def free(*overrides):
+        point = OmegaConf.to_container(compose(list(overrides)), resolve=True)
+        # the allocator model as the worker makes it (its capacity: the point's card), holding 10 GiB
+        held = SimpleNamespace(reserved=10 * 2**30, capacity=capacity(point["measure"]["device_memory"],
+                                                                        from_config(point["device"])))
+        return cuda_free_bytes(point, held)
 
-    held = SimpleNamespace(reserved=10 * 2**30)  # the allocator model holds 10 GiB
-    h100 = from_config(point("device=h100_80gb")["device"])
-    assert cuda_free_bytes(point("device=h100_80gb"), held) == h100.total_memory - h100.cuda_context_bytes - 10 * 2**30
-    assert cuda_free_bytes(point("device=h100_80gb", "measure.device_memory=12884901888"), held) == \
+    h100 = from_config(OmegaConf.to_container(compose(["device=h100_80gb"]), resolve=True)["device"])
+    assert free("device=h100_80gb") == h100.total_memory - h100.cuda_context_bytes - 10 * 2**30
+    assert free("device=h100_80gb", "measure.device_memory=12884901888") == \
         2 * 2**30 - h100.cuda_context_bytes  # a 12 GiB card imposed: its bytes, the H100's context
-    assert cuda_free_bytes(point("measure.device_memory=12884901888"), held) == 2 * 2**30  # no profile: no context
-    assert cuda_free_bytes(point(), held) == sys.maxsize  # no card: room for anything
+    assert free("measure.device_memory=12884901888") == 2 * 2**30  # no profile: no context
+    assert free() == sys.maxsize  # no card: room for anything

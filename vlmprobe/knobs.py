@@ -74,14 +74,16 @@ def add_lora(modules: list[nn.Module], train: dict) -> None:
     config = LoraConfig(r=train["lora_r"], lora_alpha=train["lora_alpha"], lora_dropout=train["lora_dropout"],
                         target_modules=list(train["lora_target_modules"]), target_parameters=parameters or None)
     config._register_custom_module(STANDIN_LORA)  # the estimate's bitsandbytes stand-ins get peft's bnb forward
-    missing = [p for p in parameters if not any(n.endswith(p) for m in modules for n, _ in m.named_parameters())]
+    names = {module: [name for name, _ in module.named_parameters()] for module in modules}
+    missing = [p for p in parameters if not any(n.endswith(p) for listed in names.values() for n in listed)]
     if missing:
         raise ConfigError(f"train.lora_target_parameters={parameters} is not allowed: no parameter of the language "
                           f"model ends with {missing[0]}")
     injected = 0
     for module in modules:
-        if any(isinstance(m, nn.Linear) and name.split(".")[-1] in config.target_modules for name, m in module.named_modules()) \
-                or any(name.endswith(tuple(parameters)) for name, _ in module.named_parameters()):
+        linear = any(isinstance(m, nn.Linear) and name.split(".")[-1] in config.target_modules
+                     for name, m in module.named_modules())
+        if linear or any(name.endswith(tuple(parameters)) for name in names[module]):
             with fake_modules_move_by_data():
                 inject_adapter_in_model(config, module)
             cast_adapter_dtype(module, "default", autocast_adapter_dtype=True)

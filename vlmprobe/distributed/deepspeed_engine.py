@@ -162,19 +162,18 @@ def check_point(point: dict, hidden_size: int, trainable: dict[str, list[str]]) 
 
 def cuda_free_bytes(point: dict, allocator, device_index=None) -> int:
     """What NVML reports free on the point's card (DeepSpeed's CUDA accelerator: available_memory), as the
-    allocator model stands: the card's bytes (measure.device_memory, else the device profile's total) less the
-    profile's CUDA context where known, less the bytes the caching allocator holds. A point with no card has
-    room for anything: sys.maxsize."""
+    allocator model stands: the model's capacity (the card's bytes it was given: measure.device_memory, else the
+    device profile's total) less the profile's CUDA context where known, less the bytes the model holds. A point
+    with no card has room for anything: sys.maxsize."""
     import sys
 
     from vlmprobe.estimate import device_profile
 
-    profile = device_profile.from_config(point.get("device"))
-    total = device_profile.capacity(point["measure"].get("device_memory"), profile)
-    if total is None:
+    if allocator.capacity is None:
         return sys.maxsize
+    profile = device_profile.from_config(point.get("device"))
     context = profile.cuda_context_bytes if profile is not None and profile.cuda_context_bytes else 0
-    return max(total - context - allocator.reserved, 0)
+    return max(allocator.capacity - context - allocator.reserved, 0)
 
 
 def offloads(config: dict, what=("offload_optimizer", "offload_param")) -> bool:
