@@ -132,6 +132,14 @@ def compose():
 
 
 @pytest.fixture
+def spec(compose):
+    """spec(name, *overrides) -> the ModelSpec conf/model/<name>.yaml instantiates, as Hydra builds it."""
+    from hydra.utils import instantiate
+
+    return lambda name, *extra: instantiate(compose([f"model={name}", *extra]).model, _convert_="all")
+
+
+@pytest.fixture
 def plan_points(compose):
     """plan_points(overrides) -> the planned points of that command line."""
 

@@ -70,3 +70,39 @@ def qwen3_moe_lm_params(t: dict) -> int:
               and (i + 1) % t["decoder_sparse_step"] == 0]
     moe = experts * d + experts * 3 * d * t["moe_intermediate_size"]
     return qk_norm_lm_params(t, 2) + len(sparse) * (moe - 3 * d * t["intermediate_size"])
+
+
+def glm4v_vision_params(v: dict) -> int:
+    """A GLM-4.1V / GLM-4.5V vision tower: Conv3d patch embedding with bias, a learned position table of
+    (image_size / patch)^2 entries, RMSNorms after the patch embedding and after the blocks; per block two
+    RMSNorms, qkv and proj without bias (attention_bias false) and a gated SiLU MLP out_hidden_size wide without
+    bias; a merge x merge stride-merge Conv2d to out_hidden_size with bias; the merger: a square Linear, a
+    LayerNorm and a gated MLP of intermediate_size, no biases."""
+    d, out, f = v["hidden_size"], v["out_hidden_size"], v["intermediate_size"]
+    patch = v["in_channels"] * v["temporal_patch_size"] * v["patch_size"] ** 2 * d + d
+    positions = (v["image_size"] // v["patch_size"]) ** 2 * d
+    block = 2 * d + 3 * d * d + d * d + 3 * d * out
+    downsample = d * out * v["spatial_merge_size"] ** 2 + out
+    merger = out * out + 2 * out + 3 * out * f
+    return patch + positions + 2 * d + v["depth"] * block + downsample + merger
+
+
+def glm4_lm_params(t: dict) -> int:
+    """GLM-4.1V's LM without its head: Qwen2's layers (q, k and v with bias) with two more RMSNorms each (after
+    attention and after the MLP)."""
+    return qwen2_params(t) + t["num_hidden_layers"] * 2 * t["hidden_size"]
+
+
+def glm4_moe_lm_params(t: dict) -> int:
+    """GLM-4.5V's LM without its head: embedding; per layer q (heads x head_dim, wider than the model), k and v
+    with bias, o without, two RMSNorms; a SwiGLU MLP of intermediate_size in the first first_k_dense_replace
+    layers, in the others a router (n_routed_experts x width, no bias), n_routed_experts SwiGLU experts and
+    n_shared_experts shared ones of moe_intermediate_size; the final norm."""
+    d, head, layers = t["hidden_size"], t["head_dim"], t["num_hidden_layers"]
+    q, kv = t["num_attention_heads"] * head, t["num_key_value_heads"] * head
+    attention = (d * q + q) + 2 * (d * kv + kv) + q * d
+    experts = t["n_routed_experts"] + t["n_shared_experts"]
+    moe = t["n_routed_experts"] * d + experts * 3 * d * t["moe_intermediate_size"]
+    dense = t["first_k_dense_replace"]
+    return (t["vocab_size"] * d + layers * (attention + 2 * d) + dense * 3 * d * t["intermediate_size"]
+            + (layers - dense) * moe + d)

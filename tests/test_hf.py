@@ -7,7 +7,9 @@ published files of Qwen/Qwen2.5-VL-7B-Instruct, Qwen/Qwen2-VL-2B-Instruct, llava
 Qwen/Qwen3-VL-8B-Instruct and llava-hf/llava-v1.6-mistral-7b-hf (the last two from copies of the Hub files in
 public code: no hub access here), and Qwen/Qwen3-VL-30B-A3B-Instruct (a public copy of its architecture fields; the
 text tower's bos/eos ids and hidden_act, which that copy leaves out, as the Qwen3-VL-8B file has them; no
-preprocessor_config.json, so Qwen3-VL's published pixel bounds),
+preprocessor_config.json, so Qwen3-VL's published pixel bounds), zai-org/GLM-4.5V (its config as a public report
+of the downloaded model prints it, transformers 5.7.0's nested layout; no preprocessor_config.json, so the GLM
+processor class's bounds),
 and tiny ones in the same layouts."""
 
 import pytest
@@ -23,7 +25,9 @@ DATA = TESTS / "data" / "hf"
 UNREAD = {"vision_config.in_chans", "vision_config.spatial_patch_size", "vision_config.vocab_size",
           "text_config._flash_attn_2_enabled", "vision_config.max_image_size", "vision_config.size",
           "vision_config.use_base_siglip", "vision_config.tie_word_embeddings",
-          "text_config.norm_topk_prob"}  # Qwen3-VL-MoE's router always renormalises its top-k weights
+          "text_config.norm_topk_prob",  # Qwen3-VL-MoE's router always renormalises its top-k weights
+          # GLM-4.5V's text config repeats the top-level image token ids, which the model reads from there
+          "text_config.image_start_token_id", "text_config.image_end_token_id", "text_config.image_token_id"}
 
 
 def flat(config: dict, prefix: str = "") -> dict:
@@ -56,6 +60,7 @@ def spec(compose):
     ("llava-v1.6-mistral-7b-hf", "llava_v1_6_mistral_7b", 7_566_747_648),
     ("paligemma2-3b-pt-224", "paligemma2_3b_224", 3_032_242_416),
     ("llava-onevision-qwen2-7b-ov-hf", "llava_onevision_qwen2_7b", 8_030_807_584),
+    ("GLM-4.5V", "glm4_5v", 107_710_927_360),
 ])
 def test_a_published_config_json_builds_what_its_shipped_yaml_builds(spec, folder, shipped, params):
     from_json = spec("model=hf", f"model.config={DATA / folder}")
@@ -142,7 +147,7 @@ def _write(path, text):
     ("not JSON", r"model.config=.*/broken.json is not allowed: it cannot be read as JSON"),
     ("not an object", r"model.config=.*/list.json is not allowed: it is JSON but not an object of config keys"),
     ("unsupported family", r"model.config=.*/molmo is not allowed: its model_type 'molmo' is not a family vlmprobe "
-                           r"builds \(supported: gemma3, idefics3, internvl, llava, llava_next, llava_onevision, mistral3, mllama, "
+                           r"builds \(supported: gemma3, glm4v, glm4v_moe, idefics3, internvl, llava, llava_next, llava_onevision, mistral3, mllama, "
                            r"paligemma, qwen2_5_vl, qwen2_vl, qwen3_vl, qwen3_vl_moe, smolvlm\)"),
     ("no model_type", r"model.config=.*/bare.json is not allowed: its model_type None is not a family"),
 ])

@@ -21,13 +21,6 @@ VIDEO_MIN, VIDEO_MAX = 128 * 28 * 28, 768 * 28 * 28  # Qwen2VLVideoProcessor's c
 
 
 @pytest.fixture
-def spec(compose):
-    from hydra.utils import instantiate
-
-    return lambda name: instantiate(compose([f"model={name}"]).model, _convert_="all")
-
-
-@pytest.fixture
 def video_processor(monkeypatch):
     """transformers' Qwen2VLVideoProcessor class. Its module imports torchvision's transforms at the top (for the
     resampling, which no count here reaches); torchvision is not installed here, so a stand-in module is in
@@ -195,7 +188,7 @@ def test_a_video_point_runs_the_grpo_step_as_a_real_run_does(point):
     (["model=internvl_tiny", "data.images_per_sample=0", "data.videos_per_sample=2", "data.video_frames=4"],
      r"^data\.videos_per_sample=2 is not allowed for internvl_tiny: videos are modelled for Qwen2-VL and Qwen2\.5-VL"),
     (["model=qwen3_vl_tiny", "data.videos_per_sample=1", "data.video_frames=4"],
-     r"^data\.videos_per_sample=1 is not allowed for qwen3_vl_tiny: Qwen3-VL writes every frame's timestamp"),
+     r"^data\.videos_per_sample=1 is not allowed for qwen3_vl_tiny: its processor writes every frame's timestamp"),
     (["model=qwen2_vl_tiny", "data.videos_per_sample=1"],
      r"^data\.video_frames=None is not allowed with data\.videos_per_sample=1: give the frames"),
     (["model=qwen2_vl_tiny", "data.images_per_sample=0"],

@@ -164,8 +164,8 @@ class ModelSpec(abc.ABC):
         fills lm_max_length): the prompt's inputs, and a context the call runs in (what the family needs so
         that generate runs on fake tensors as on real ones). step=grpo's rollout (vlmprobe.steps.rollout)."""
         raise ConfigError(f"step=grpo is not allowed with model={self.name}: {type(self).__name__} cannot "
-                          f"generate here; use a Qwen2-VL / Qwen2.5-VL / Qwen3-VL model (qwen2_vl_*, qwen2_5_vl_*, "
-                          f"qwen3_vl_*, hf)")
+                          f"generate here; use a Qwen2-VL / Qwen2.5-VL / Qwen3-VL / GLM-4.1V / GLM-4.5V model "
+                          f"(qwen2_vl_*, qwen2_5_vl_*, qwen3_vl_*, glm4_1v_9b, glm4_5v, hf)")
 
     def loss(self, model: nn.Module, batch: dict) -> tuple[torch.Tensor, object]:
         """(loss, outputs) of `batch`, as the family's own training code computes them; `outputs` is what the

@@ -24,6 +24,7 @@ HUB_NAME = re.compile(r"^[\w.-]+/[\w.-]+$")
 def families() -> dict:
     """model_type -> family spec class (imported here: each module imports only what it needs)."""
     from vlmprobe.models.gemma3 import Gemma3Spec
+    from vlmprobe.models.glm4v import Glm4vMoeSpec, Glm4vSpec
     from vlmprobe.models.idefics3 import Idefics3Spec, SmolVLMSpec
     from vlmprobe.models.internvl import InternVLSpec
     from vlmprobe.models.llava import LlavaSpec
@@ -40,7 +41,8 @@ def families() -> dict:
             "qwen3_vl_moe": Qwen3VLMoeSpec, "llava": LlavaSpec, "llava_next": LlavaNextSpec,
             "llava_onevision": LlavaOnevisionSpec, "idefics3": Idefics3Spec,
             "smolvlm": SmolVLMSpec, "gemma3": Gemma3Spec,
-            "mllama": MllamaSpec, "internvl": InternVLSpec, "paligemma": PaliGemmaSpec, "mistral3": Mistral3Spec}
+            "mllama": MllamaSpec, "internvl": InternVLSpec, "paligemma": PaliGemmaSpec, "mistral3": Mistral3Spec,
+            "glm4v": Glm4vSpec, "glm4v_moe": Glm4vMoeSpec}
 
 
 def spec_from_config(config: str | None, name: str | None = None, attn_implementation: str = "sdpa") -> ModelSpec:

@@ -61,20 +61,29 @@ from vlmprobe.models.fake_constants import collated, constant_tensor
 
 
 
-def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixels: int) -> tuple[int, int]:
+def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixels: int,
+                 frames: int = 1) -> tuple[int, int]:
     """(H, W) the Qwen2-VL image processor resizes a `height` x `width` image to (transformers'
-    qwen2_vl smart_resize, 5.17-5.23): each side rounded to a multiple of `factor`, then scaled down
-    (floor) if H*W > max_pixels or up (ceil) if H*W < min_pixels, keeping the aspect ratio."""
+    qwen2_vl smart_resize, 5.17-5.24): each side rounded to a multiple of `factor`, then scaled down
+    (floor) if H*W > max_pixels or up (ceil) if H*W < min_pixels, keeping the aspect ratio.
+
+    GLM-4.1V's processor (glm4v smart_resize) is this rule with two changes, given by `frames` > 1: the bounds hold
+    the pixels of all `frames` of the temporal patch (a still image is its 2 frames, so the bounds per image are
+    halved), and a side below `factor` is first scaled up to it (Qwen2-VL's callers refuse such a side before:
+    Qwen2VLSpec._resized)."""
+    if frames > 1 and (height < factor or width < factor):
+        scale = max(factor / height, factor / width)
+        height, width = int(height * scale), int(width * scale)
     if max(height, width) / min(height, width) > 200:
         raise ValueError(f"absolute aspect ratio must be smaller than 200, got {max(height, width) / min(height, width)}")
     h_bar = round(height / factor) * factor  # Python's round: halves go to the even multiple, as in transformers
     w_bar = round(width / factor) * factor
-    if h_bar * w_bar > max_pixels:
-        beta = math.sqrt((height * width) / max_pixels)
+    if frames * h_bar * w_bar > max_pixels:
+        beta = math.sqrt((frames * height * width) / max_pixels)
         h_bar = max(factor, math.floor(height / beta / factor) * factor)
         w_bar = max(factor, math.floor(width / beta / factor) * factor)
-    elif h_bar * w_bar < min_pixels:
-        beta = math.sqrt(min_pixels / (height * width))
+    elif frames * h_bar * w_bar < min_pixels:
+        beta = math.sqrt(min_pixels / (frames * height * width))
         h_bar = math.ceil(height * beta / factor) * factor
         w_bar = math.ceil(width * beta / factor) * factor
     return h_bar, w_bar
@@ -107,7 +116,6 @@ def mrope_position_ids(layout: list[tuple[str, int | tuple]]) -> list[list[int]]
 
 
 DEFAULT_IMAGE_SIZE = 448  # px per side when data.image_size is null (no native size): 1024 patches, 256 tokens
-TOKEN_KEYS = ("vision_start_token_id", "vision_end_token_id", "image_token_id", "video_token_id")
 
 
 class Qwen2VLSpec(ModelSpec):
@@ -123,6 +131,13 @@ class Qwen2VLSpec(ModelSpec):
     video_pixels = (128 * 28 * 28, 768 * 28 * 28)
     video_fps = 2.0  # frames per second the processor assumes (its default): Qwen2.5-VL's M-RoPE time step reads it
     reads_video_preprocessor = True
+    # the top-level config keys of the special tokens (text ids lie below all of them), and the two that frame
+    # each image and video in the prompt
+    token_keys = ("vision_start_token_id", "vision_end_token_id", "image_token_id", "video_token_id")
+    markers = ("vision_start_token_id", "vision_end_token_id")
+    frames_in_budget = 1  # frames smart_resize counts against the pixel bounds for a still image (GLM-4.1V: 2)
+    refuses_sides_below_factor = True  # a side below patch x merge px is refused (see _resized)
+    frame_timestamps_as_text = False  # the processor writes each frame's timestamp as text (videos then refused)
 
     def __init__(self, name: str, image_size: int, min_pixels: int, max_pixels: int, token_ids: dict,
                  vision: dict, text: dict, tie_word_embeddings: bool, attn_implementation: str = "sdpa",
@@ -158,7 +173,7 @@ class Qwen2VLSpec(ModelSpec):
         return cls(name=name, image_size=DEFAULT_IMAGE_SIZE, min_pixels=low, max_pixels=high,
                    video_min_pixels=video_low, video_max_pixels=video_high,
                    token_ids={"bos_token_id": text.bos_token_id, "eos_token_id": text.eos_token_id,
-                              **{k: getattr(config, k) for k in TOKEN_KEYS}},
+                              **{k: getattr(config, k) for k in cls.token_keys}},
                    vision=hyperparameters(vision), text=hyperparameters(text),
                    tie_word_embeddings=config.tie_word_embeddings, attn_implementation=attn_implementation)
 
@@ -209,7 +224,7 @@ class Qwen2VLSpec(ModelSpec):
 
     def _resized(self, size: int, field: str, low: int, high: int) -> tuple[int, int]:
         """(rows, cols) of 14 px patches of a `size` px square image or frame resized within [low, high] px."""
-        if size < self.factor:
+        if size < self.factor and self.refuses_sides_below_factor:
             # Qwen2VLImageProcessor's smart_resize refused a side below `factor` ("height:.. or width:.. must
             # be larger than factor:28", transformers 4.45-4.52). 4.53 and later (the 5.x admitted here) drop
             # the check and upsample such an image to min_pixels, so a row for it would describe an image
@@ -219,7 +234,7 @@ class Qwen2VLSpec(ModelSpec):
                               f"{self.vision['spatial_merge_size']} (Qwen2VLImageProcessor's smart_resize: \"must be "
                               f"larger than factor:{self.factor}\"; transformers >= 4.53 upsamples it instead)")
         try:
-            height, width = smart_resize(size, size, self.factor, low, high)
+            height, width = smart_resize(size, size, self.factor, low, high, self.frames_in_budget)
         except ValueError as exc:  # the processor's own refusal (aspect ratio above 200)
             raise ConfigError(f"data.{field}={size} is not allowed for {self.name}: Qwen2VLImageProcessor's "
                               f"smart_resize refuses it: {exc}") from None
@@ -233,6 +248,12 @@ class Qwen2VLSpec(ModelSpec):
     def video_tokens(self, data: DataShape) -> int:
         if not data.videos_per_sample:
             return 0
+        if self.frame_timestamps_as_text:
+            # how many tokens "<1.5 seconds>" (Qwen3-VL, before each temporal patch) or a frame's "12" (GLM-4.1V,
+            # after it) takes only the model's tokenizer can say, which vlmprobe does not have (nothing downloaded)
+            raise ConfigError(f"data.videos_per_sample={data.videos_per_sample} is not allowed for {self.name}: its "
+                              f"processor writes every frame's timestamp into the prompt as text that only its "
+                              f"tokenizer can count; videos are modelled for Qwen2-VL and Qwen2.5-VL; use 0")
         frames, rows, cols = self.video_grid(data)
         return data.videos_per_sample * frames * rows * cols // self.vision["spatial_merge_size"] ** 2
 
@@ -265,10 +286,11 @@ class Qwen2VLSpec(ModelSpec):
         merge = self.vision["spatial_merge_size"]
         rows, cols = (n // merge for n in self.grid(data))
         per_image = rows * cols
-        text_vocab = min(ids.values())  # ordinary text ids lie below the special tokens
+        text_vocab = min(ids[k] for k in self.token_keys)  # ordinary text ids lie below the special tokens
+        start, end = (ids[k] for k in self.markers)
         input_ids, types, layout = [], [], []
         for _ in range(data.images_per_sample):
-            input_ids += [ids["vision_start_token_id"]] + [ids["image_token_id"]] * per_image + [ids["vision_end_token_id"]]
+            input_ids += [start] + [ids["image_token_id"]] * per_image + [end]
             types += [0] + [1] * per_image + [0]
             layout += [("text", 1), ("image", (rows, cols)), ("text", 1)]
         if data.videos_per_sample:
@@ -276,15 +298,14 @@ class Qwen2VLSpec(ModelSpec):
             v_rows, v_cols = v_rows // merge, v_cols // merge
             per_video = frames * v_rows * v_cols
             for _ in range(data.videos_per_sample):
-                input_ids += ([ids["vision_start_token_id"]] + [ids["video_token_id"]] * per_video
-                              + [ids["vision_end_token_id"]])
+                input_ids += [start] + [ids["video_token_id"]] * per_video + [end]
                 types += [0] + [2] * per_video + [0]
                 layout += [("text", 1), ("video", (frames, v_rows, v_cols, self.video_time_interval())), ("text", 1)]
         n_text = data.lm_max_length - len(input_ids)
         input_ids += filler_text(n_text, text_vocab)
         types += [0] * n_text
         layout.append(("text", n_text))
-        labels = [IGNORE_INDEX if t or i in (ids["vision_start_token_id"], ids["vision_end_token_id"]) else i
+        labels = [IGNORE_INDEX if t or i in (start, end) else i
                   for i, t in zip(input_ids, types)]
         return input_ids, labels, types, mrope_position_ids(layout)
 

@@ -66,8 +66,11 @@ def stop_after(model: torch.nn.Module, tokens: int):
 def generation_config(spec, new_tokens: int) -> dict:
     """TRL's generation kwargs (GRPOTrainer.__init__, trl 1.16) with the full length forced."""
     eos = spec.token_ids["eos_token_id"]
+    # TRL passes the tokenizer's pad id: the model's own where its config names one (GLM's <|endoftext|>), else
+    # its end-of-sequence id (the first, where the config lists several: GLM's)
+    pad = spec.text.get("pad_token_id", eos if isinstance(eos, int) else eos[0])
     return {"max_new_tokens": new_tokens, "min_new_tokens": new_tokens, "do_sample": True, "temperature": 1.0,
-            "top_p": 1.0, "top_k": 0, "pad_token_id": eos, "eos_token_id": eos,
+            "top_p": 1.0, "top_k": 0, "pad_token_id": pad, "eos_token_id": eos,
             "suppress_tokens": [spec.token_ids["image_token_id"]], "use_cache": True}
 
 
