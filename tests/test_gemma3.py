@@ -11,13 +11,6 @@ from vlmprobe.models.base import IGNORE_INDEX, DataShape, count_params
 CPU = torch.device("cpu")
 
 
-@pytest.fixture
-def spec(compose):
-    from hydra.utils import instantiate
-
-    return lambda name, *extra: instantiate(compose([f"model={name}", *extra]).model, _convert_="all")
-
-
 def gemma3_lm_params(t: dict) -> int:
     """Hand count of the Gemma 3 LM without its (tied) head: q/k norms and four RMSNorms per layer."""
     return qk_norm_lm_params(t, 4)

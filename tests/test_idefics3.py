@@ -12,13 +12,6 @@ from vlmprobe.models.idefics3 import MAX_IMAGE_SIZE
 CPU = torch.device("cpu")
 
 
-@pytest.fixture
-def spec(compose):
-    from hydra.utils import instantiate
-
-    return lambda name, *extra: instantiate(compose([f"model={name}", *extra]).model, _convert_="all")
-
-
 @pytest.mark.parametrize("name,total", [
     # the Hub's safetensors counts of HuggingFaceTB/SmolVLM-256M-Instruct ("256M") and SmolVLM-Instruct
     # ("2.25B"), recalled (no hub access here), equal to the hand count of their parts below

@@ -11,13 +11,6 @@ from vlmprobe.models.base import IGNORE_INDEX, DataShape, count_params
 CPU = torch.device("cpu")
 
 
-@pytest.fixture
-def spec(compose):
-    from hydra.utils import instantiate
-
-    return lambda name, *extra: instantiate(compose([f"model={name}", *extra]).model, _convert_="all")
-
-
 def internvit_params(v: dict) -> int:
     """Hand count of InternViT: class token, Conv2d patch embedding with bias, a position embedding per patch and
     the class token; per layer q/k/v/o with bias, two MLP Linears with bias, two LayerNorms and two layer scales."""

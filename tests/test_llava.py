@@ -11,13 +11,6 @@ from vlmprobe.models.base import IGNORE_INDEX, DataShape, count_params
 CPU = torch.device("cpu")
 
 
-@pytest.fixture
-def spec(compose):
-    from hydra.utils import instantiate
-
-    return lambda name, *extra: instantiate(compose([f"model={name}", *extra]).model, _convert_="all")
-
-
 # 7,063,427,072: the Hub's safetensors count of llava-hf/llava-1.5-7b-hf ("7.06B"); llava-hf/llava-v1.6-mistral-7b-hf's
 # page says "7.57B" (both recalled, no hub access here); each equal to the hand count of its parts below. LLaVA-NeXT
 # adds the image_newline vector (one LM width) to LLaVA's parts.

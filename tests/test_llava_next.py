@@ -15,13 +15,6 @@ CPU = torch.device("cpu")
 PINPOINTS = [[336, 672], [672, 336], [672, 672], [1008, 336], [336, 1008]]  # llava-v1.6's canvases
 
 
-@pytest.fixture
-def spec(compose):
-    from hydra.utils import instantiate
-
-    return lambda name, *extra: instantiate(compose([f"model={name}", *extra]).model, _convert_="all")
-
-
 @pytest.fixture(scope="module")
 def processor():
     """LlavaNextProcessor as llava-hf/llava-v1.6-mistral-7b-hf configures it (preprocessor_config.json: shortest

@@ -15,13 +15,6 @@ CPU = torch.device("cpu")
 PINPOINTS = [[h, w] for h in range(384, 2305, 384) for w in range(384, 2305, 384)]  # 1-6 x 1-6 tiles of 384 px
 
 
-@pytest.fixture
-def spec(compose):
-    from hydra.utils import instantiate
-
-    return lambda name, *extra: instantiate(compose([f"model={name}", *extra]).model, _convert_="all")
-
-
 @pytest.fixture(scope="module")
 def processor():
     """LlavaOnevisionProcessor as llava-hf/llava-onevision-qwen2-7b-ov-hf configures it (384 x 384 tiles, the 36

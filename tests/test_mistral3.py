@@ -16,13 +16,6 @@ CPU = torch.device("cpu")
 HF = TESTS / "data" / "hf"
 
 
-@pytest.fixture
-def spec(compose):
-    from hydra.utils import instantiate
-
-    return lambda name, *extra: instantiate(compose([f"model={name}", *extra]).model, _convert_="all")
-
-
 def pixtral_params(v: dict) -> int:
     """A Pixtral tower: a patch convolution without bias, ln_pre, per block q/k/v/o and a gated MLP without bias
     and two RMSNorms."""

@@ -11,13 +11,6 @@ from vlmprobe.models.base import IGNORE_INDEX, DataShape, count_params
 CPU = torch.device("cpu")
 
 
-@pytest.fixture
-def spec(compose):
-    from hydra.utils import instantiate
-
-    return lambda name, *extra: instantiate(compose([f"model={name}", *extra]).model, _convert_="all")
-
-
 def test_llama3_2_11b_vision_on_meta_has_the_published_parameter_count(spec):
     # 10,670,220,835: the Hub's safetensors count of meta-llama/Llama-3.2-11B-Vision-Instruct ("10.7B"; recalled, no
     # hub access here). The LM is Llama 3.1 8B's 32 layers (hand count below, with the 8 extra embedding rows) and

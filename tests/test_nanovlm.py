@@ -6,13 +6,6 @@ from vlmprobe.models.base import DataShape
 from vlmprobe.models.nanovlm import IGNORE_INDEX, pixel_shuffle
 
 
-@pytest.fixture
-def spec(compose):
-    from hydra.utils import instantiate
-
-    return lambda name: instantiate(compose([f"model={name}"]).model, _convert_="all")
-
-
 def test_nanovlm_222m_has_49_image_tokens_inside_lm_max_length(spec):
     # 224 px / 16 px patches = 14 x 14 = 196 patches; pixel shuffle x2 -> 196 / 4 = 49 tokens
     data = DataShape(batch_size=2, lm_max_length=128)

@@ -13,13 +13,6 @@ from vlmprobe.models.paligemma import NEWLINE
 CPU = torch.device("cpu")
 
 
-@pytest.fixture
-def spec(compose):
-    from hydra.utils import instantiate
-
-    return lambda name, *extra: instantiate(compose([f"model={name}", *extra]).model, _convert_="all")
-
-
 def gemma2_lm_params(t: dict) -> int:
     """Hand count of the Gemma 2 LM without its (tied) head: embedding, per layer q/k/v/o without bias, a gated
     MLP without bias and four RMSNorms (before and after the attention and the MLP), the final norm."""

@@ -11,13 +11,6 @@ from vlmprobe.models.qwen2_5_vl import window_index
 CPU = torch.device("cpu")
 
 
-@pytest.fixture
-def spec(compose):
-    from hydra.utils import instantiate
-
-    return lambda name: instantiate(compose([f"model={name}"]).model, _convert_="all")
-
-
 def vision_params(v: dict) -> int:
     """Hand count of a Qwen2.5-VL vision tower from its config (no transformers): Conv3d patch embedding
     without bias; per block two RMSNorms, qkv and proj with bias, a gated MLP with bias; the merger's

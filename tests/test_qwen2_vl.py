@@ -15,13 +15,6 @@ CPU = torch.device("cpu")
 MIN_PIXELS, MAX_PIXELS = 3136, 12845056  # Qwen2-VL's preprocessor_config.json
 
 
-@pytest.fixture
-def spec(compose):
-    from hydra.utils import instantiate
-
-    return lambda name: instantiate(compose([f"model={name}"]).model, _convert_="all")
-
-
 def _split(model):
     visual = sum(p.numel() for p in model.model.visual.parameters())
     lm = sum(p.numel() for p in model.model.language_model.parameters())

@@ -15,13 +15,6 @@ CPU = torch.device("cpu")
 MIN_PIXELS, MAX_PIXELS = 65536, 16777216  # Qwen3-VL's preprocessor_config.json (size.shortest_edge / longest_edge)
 
 
-@pytest.fixture
-def spec(compose):
-    from hydra.utils import instantiate
-
-    return lambda name: instantiate(compose([f"model={name}"]).model, _convert_="all")
-
-
 def test_qwen3_vl_8b_on_meta_matches_the_hand_count_of_its_config(spec):
     # The model card says "8B"; the Hub's safetensors count (recalled, not re-read: no hub access here) is
     # "8.77B", which this exact count rounds to

@@ -18,13 +18,6 @@ from vlmprobe.worker import measure
 GROUPED_MM = torch.ops.aten._grouped_mm.default
 
 
-@pytest.fixture
-def spec(compose):
-    from hydra.utils import instantiate
-
-    return lambda name, *extra: instantiate(compose([f"model={name}", *extra]).model, _convert_="all")
-
-
 @pytest.mark.parametrize("name,params,parts", [
     # the model card says "30B-A3B" (Qwen3-30B-A3B's 30.5B language model and a 0.5B vision tower)
     ("qwen3_vl_30b_a3b", 31_070_754_032, (538_631_408, 30_220_957_696, 311_164_928)),
