@@ -22,9 +22,10 @@
 #                       rows, and two: 72, aligned) on cuda, then scripts/check_estimate.py --cuda-dir on it
 #                       (pixtral_mask_vs_estimate): whether the memory-efficient kernel's padded mask copies, or
 #                       cuDNN taking the mask as it is on sm90, are what the card does
-#   8b. moe             Qwen3-VL-MoE's experts (qwen3_vl_moe_tiny) on cuda: fp32 weights under bf16 autocast (grouped_mm
-#                       in fp32: CUDA's fallback kernel) and bf16 weights (the CUTLASS kernel on sm90), grouped_mm and
-#                       batched_mm, then scripts/check_estimate.py --cuda-dir on it (moe_vs_estimate)
+#   8b. moe             the experts of Qwen3-VL-MoE and GLM-4.5V (qwen3_vl_moe_tiny, glm4v_moe_tiny: GLM's fp32 router
+#                       and shared expert beside them) on cuda: fp32 weights under bf16 autocast (grouped_mm in fp32:
+#                       CUDA's fallback kernel) and bf16 weights (the CUTLASS kernel on sm90), grouped_mm and
+#                       batched_mm, then scripts/check_estimate.py --cuda-dir on each (moe_<model>_vs_estimate)
 #   8c. dist            every engine at world size 1 (+sweep=dist_world1: ddp, fsdp2 with and without CPU offload,
 #                       zero2, zero3 with and without offload; DeepSpeed's rows are skipped where it is not
 #                       installed) on cuda, then scripts/check_estimate.py --cuda-dir on it (dist_vs_estimate)
@@ -120,11 +121,13 @@ if wanted pixtral_mask; then
 fi
 
 if wanted moe; then
-  step moe python -m vlmprobe model=qwen3_vl_moe_tiny measure.backend=cuda "results_dir=$OUT/moe" sweep.name=moe \
-    data.batch_size=2 data.lm_max_length=48 '+sweep.axes.train.param_dtype=[float32,bfloat16]' \
-    '+sweep.axes.model.experts_implementation=[grouped_mm,batched_mm]'
-  MOE=$(newest "$OUT/moe/moe")
-  [ -n "$MOE" ] && step moe_vs_estimate python scripts/check_estimate.py --parts cuda --cuda-dir "$MOE"
+  for model in qwen3_vl_moe_tiny glm4v_moe_tiny; do
+    step "moe_$model" python -m vlmprobe model=$model measure.backend=cuda "results_dir=$OUT/moe" \
+      sweep.name=$model data.batch_size=2 data.lm_max_length=48 '+sweep.axes.train.param_dtype=[float32,bfloat16]' \
+      '+sweep.axes.model.experts_implementation=[grouped_mm,batched_mm]'
+    MOE=$(newest "$OUT/moe/$model")
+    [ -n "$MOE" ] && step "moe_${model}_vs_estimate" python scripts/check_estimate.py --parts cuda --cuda-dir "$MOE"
+  done
 fi
 if wanted dist; then
   step dist python -m vlmprobe +sweep=dist_world1 measure.backend=cuda "results_dir=$OUT/dist"
