@@ -74,6 +74,21 @@ def test_default_lora_targets_adapt_all_four_attention_projections_of_nanovlms_l
     assert inputs["trainable_params"] == tower_params["vision"] + projector + adapters
 
 
+@pytest.mark.parametrize("target", ["blocks.1.q_proj", "1.q_proj"])
+def test_lora_on_a_module_path_adapts_that_one_module(run, tower_params, target):
+    # as peft matches a name (the module's path in the LM, or its end after a dot): tiny LM layer 1's q, 32 -> 32
+    inputs, _ = run("train.lora_r=4", f"train.lora_target_modules=[{target}]")
+    assert inputs["params"] == tower_params["all"] + 4 * (32 + 32)
+
+
+def test_lora_on_a_module_path_the_lm_does_not_have_is_one_line(plan_points):
+    from vlmprobe.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"^train\.lora_target_modules=\['blocks\.2\.q_proj'\] is not allowed: no "
+                                          r"linear layer of the language model is named so"):
+        plan_points(BASE + ["train.lora_r=4", "train.lora_target_modules=[blocks.2.q_proj]"])
+
+
 @pytest.mark.parametrize("option,label,moments", [
     ("adamw", "AdamW(foreach)", 2), ("adamw_fused", "AdamW(fused)", 2),
     ("adamw_single_tensor", "AdamW(single_tensor)", 2), ("sgd_momentum", "SGD(foreach)", 1),

@@ -79,9 +79,12 @@ def add_lora(modules: list[nn.Module], train: dict) -> None:
     if missing:
         raise ConfigError(f"train.lora_target_parameters={parameters} is not allowed: no parameter of the language "
                           f"model ends with {missing[0]}")
+    # peft's rule for a list of target_modules: a module's whole name, or its end after a dot, so that a path such
+    # as LLaMA-Factory's lora_target 45.mlp.down_proj adapts that one module (check_target_module_exists)
+    targets = tuple(f".{key}" for key in config.target_modules)
     injected = 0
     for module in modules:
-        linear = any(isinstance(m, nn.Linear) and name.split(".")[-1] in config.target_modules
+        linear = any(isinstance(m, nn.Linear) and (name in config.target_modules or name.endswith(targets))
                      for name, m in module.named_modules())
         if linear or any(name.endswith(tuple(parameters)) for name in names[module]):
             with fake_modules_move_by_data():
@@ -92,7 +95,8 @@ def add_lora(modules: list[nn.Module], train: dict) -> None:
             injected += "lora_" in name
     if not injected:
         raise ConfigError(f"train.lora_target_modules={list(train['lora_target_modules'])} is not allowed: no linear "
-                          f"layer of the language model has such a name")
+                          f"layer of the language model is named so (a name matches a layer's path within the "
+                          f"language model or its end after a dot, as in peft: q_proj, 45.mlp.down_proj)")
 
 
 
