@@ -170,15 +170,22 @@ def test_fsdp2_at_world_size_1_is_within_a_few_percent_of_one_gpu_without_shardi
 def test_the_point_row_is_the_max_over_ranks_and_an_oom_names_its_rank():
     ok = {"status": "ok", "backend": "cpu", "peak_allocated_bytes": 100, "params_bytes": 10, "peak_phase": "backward"}
     rows = {0: {**ok, "peak_allocated_bytes": 80, "params_bytes": 12}, 1: ok, 2: {**ok, "peak_allocated_bytes": 100}}
-    out, rank_rows = point_row(rows, 3)
+    out, rank_rows = point_row(rows, 3, "cpu")
     assert out["status"] == "ok" and out["peak_allocated_bytes"] == 100 and out["params_bytes"] == 12
     assert out["max_rank"] == 1 and out["min_rank_peak_allocated_bytes"] == 80 and out["rank_imbalance"] == 1.25
     assert [r["rank"] for r in rank_rows] == [0, 1, 2]
     rows[2] = {"status": "oom", "backend": "cpu", "error": "Tried to allocate 2.00 GiB", "peak_allocated_bytes": 90}
-    out, _ = point_row(rows, 3)
+    out, _ = point_row(rows, 3, "cpu")
     assert out["status"] == "oom" and out["error"].startswith("rank 2: Tried to allocate")
-    out, _ = point_row({0: ok}, 2, {"status": "crash", "error": "torchrun exit code 1"})
+    out, _ = point_row({0: ok}, 2, "cpu", {"status": "crash", "error": "torchrun exit code 1"})
     assert out["status"] == "crash" and "ranks [1] left no row" in out["error"]
+
+
+def test_a_rank_that_failed_before_its_backend_said_so_is_labelled_with_the_backend_that_ran_it():
+    # a simulated rank's error row (worker.error_row) carries no backend: the row and ranks.csv still say estimate
+    out, rank_rows = point_row({0: {"status": "error", "error": "RuntimeError: tracing error"}}, 1, "estimate")
+    assert out["backend"] == "estimate" and [r["backend"] for r in rank_rows] == ["estimate"]
+    assert out["status"] == "error" and out["error"] == "rank 0: RuntimeError: tracing error"
 
 
 @pytest.mark.slow

@@ -126,12 +126,15 @@ def print_row(row: dict) -> None:
 SIMULATED = "VLMPROBE_SIMULATED_RANK "  # prefix of the row line a simulation's child prints
 
 
-def point_row(rows: dict[int, dict], world_size: int, failure: dict | None = None) -> tuple[dict, list[dict]]:
+def point_row(rows: dict[int, dict], world_size: int, backend: str,
+              failure: dict | None = None) -> tuple[dict, list[dict]]:
     """The point's outputs (every memory figure the max over ranks, and where the peak sits) and its rank
-    rows. A rank that ran out of memory makes the point `oom`, named in its error; `failure` (the launcher's
-    status and error, for ranks that left no row) applies when no rank says what went wrong."""
-    rank_rows = [{"rank": r, **{k: v for k, v in rows[r].items() if k in RANK_COLUMNS}} for r in sorted(rows)]
-    out: dict = {"backend": next((r.get("backend") for r in rows.values() if r.get("backend")), None)}
+    rows, each labelled with `backend` (the one that ran the point: a rank that failed before its backend said
+    so is labelled too). A rank that ran out of memory makes the point `oom`, named in its error; `failure`
+    (the launcher's status and error, for ranks that left no row) applies when no rank says what went wrong."""
+    rank_rows = [{"rank": r, "backend": backend, **{k: v for k, v in rows[r].items() if k in RANK_COLUMNS}}
+                 for r in sorted(rows)]
+    out: dict = {"backend": backend}
     bad = [r for r in rank_rows if r["status"] != "ok"]
     oom = [r for r in bad if r["status"] == "oom"]
     first_bad = (oom or bad or [None])[0]
@@ -169,7 +172,7 @@ def measure_point(config: dict, measure, env: dict) -> dict:
         rows, failure = launch(config, env, config["measure"]["timeout_s"])
         for row in rows.values():
             row["simulated_as"] = None  # measured, not simulated
-    out, rank_rows = point_row(rows, world, failure)
+    out, rank_rows = point_row(rows, world, config["measure"]["backend"], failure)
     return {**out, "ranks": rank_rows}
 
 
