@@ -315,3 +315,22 @@ def test_the_free_memory_deepspeed_reads_is_what_nvml_would_report_on_the_points
         2 * 2**30 - h100.cuda_context_bytes  # a 12 GiB card imposed: its bytes, the H100's context
     assert free("measure.device_memory=12884901888") == 2 * 2**30  # no profile: no context
     assert free() == sys.maxsize  # no card: room for anything
+
+
+@pytest.mark.slow  # about 20 s: the tiny GLM-4.5V on real gloo ranks and in the estimate
+@pytest.mark.parametrize("max_live, status", [(20000, "error"), (1000000000, "ok")])
+def test_lora_on_fused_experts_stops_at_deepspeeds_tracing_error_where_they_exceed_max_live_parameters(
+        point, max_live, status):
+    pytest.importorskip("deepspeed")
+    # peft's target_parameters on layer 4's expert stack (8 x 64 x 32 = 16,384 values, its gate_up 32,768) under
+    # ZeRO-3: with stage3_max_live_parameters below the layer's experts DeepSpeed 0.19.8's second step finds its
+    # parameter fetch queue out of the traced order and raises, on real ranks as in the estimate; above, it runs
+    overrides = ["model=glm4v_moe_tiny", "model.text.num_hidden_layers=5", "data.batch_size=1", "data.lm_max_length=48",
+                 "dist=zero3", "dist.world_size=2", "train.param_dtype=bfloat16", "train.autocast_dtype=null",
+                 "train.freeze_vision=true", "train.grad_ckpt.lm=true", "train.lora_r=4", "train.lora_target_modules=[]",
+                 "train.lora_target_parameters=[4.mlp.experts.down_proj]", *STAGE3[:2],
+                 f"dist.stage3_max_live_parameters={max_live}"]
+    rows = {b: run_dist(point, overrides + [f"measure.backend={b}"]) for b in ("cpu", "estimate")}
+    assert {b: r["status"] for b, r in rows.items()} == {"cpu": status, "estimate": status}
+    if status == "error":
+        assert all(r["error"].startswith("rank 0: RuntimeError: tracing error at step") for r in rows.values())

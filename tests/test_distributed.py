@@ -329,3 +329,30 @@ def test_a_distributed_sweep_writes_rank_columns_ranks_csv_and_the_spread(tmp_pa
     assert table["rank_imbalance"].iloc[1] > 1  # nanovlm_tiny's (1, 16, 32) position table: rank 1 holds no row
     assert "Per-rank spread" in (out / "summary.md").read_text()
     assert (out / "plot.png").stat().st_size > 0
+
+
+def test_a_launched_rank_whose_measurement_raises_writes_its_error_row_and_leaves(tmp_path):
+    """run_rank as torchrun starts it (a world of one, gloo): the exception lands in the rank's row, where the point
+    row names it (before, the rank died and only the end of torchrun's stderr was kept, often without it)."""
+    import socket
+    import subprocess
+    import sys
+
+    from vlmprobe.distributed.launcher import FAILED_EXIT
+
+    request = tmp_path / "point.json"
+    request.write_text(json.dumps({"measure": {"backend": "cpu"}}))
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**__import__("os").environ, "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1",
+           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+    code = ("import sys; from pathlib import Path; from vlmprobe.distributed.launcher import run_rank\n"
+            "def measure(point): raise RuntimeError('tracing error at step 3:\\nexpected another parameter')\n"
+            "sys.exit(run_rank(Path(sys.argv[1]), measure))")
+    proc = subprocess.run([sys.executable, "-c", code, str(request)], env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == FAILED_EXIT, proc.stderr[-2000:]
+    row = json.loads((tmp_path / "rank0.json").read_text())
+    out, _ = point_row({0: row}, 1, "cpu", {"status": "crash", "error": f"torchrun exit code {FAILED_EXIT}"})
+    assert out["status"] == "error" and out["error"].startswith("rank 0: RuntimeError: tracing error at step 3:")

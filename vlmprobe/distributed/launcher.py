@@ -3,9 +3,10 @@
 backend differs (cpu: gloo on real CPU tensors, cuda: nccl with one GPU per rank).
 
 Each rank joins the job's process group, measures as the single-GPU worker does, and writes its row to
-`rank<r>.json` beside the request. A rank that runs out of memory writes its `oom` row and exits at once
-with OOM_EXIT: torchrun then stops the other ranks (which would otherwise wait in a collective), and the
-point is `oom` naming that rank.
+`rank<r>.json` beside the request. A rank that runs out of memory, or whose measurement raises, writes its `oom`
+or `error` row and exits at once with FAILED_EXIT: torchrun then stops the other ranks (which would otherwise wait
+in a collective), and the point is `oom` or `error` naming that rank and its exception (not the end of torchrun's
+stderr, where the exception's own line may be out of reach).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from pathlib import Path
 
 from vlmprobe import child
 
-OOM_EXIT = 75  # a rank's exit code after it wrote an `oom` row
+FAILED_EXIT = 75  # a rank's exit code after it wrote an `oom` or `error` row
 
 
 def launch(config: dict, env: dict, timeout: float | None) -> tuple[dict[int, dict], dict | None]:
@@ -47,6 +48,7 @@ def run_rank(request: Path, measure) -> int:
     Returns the exit code."""
     from vlmprobe import backends
     from vlmprobe.distributed.process_group import real_group
+    from vlmprobe.worker import error_row
 
     point = json.loads(request.read_text())
     backend = backends.get(point["measure"]["backend"])
@@ -54,9 +56,12 @@ def run_rank(request: Path, measure) -> int:
     with real_group(backend.device_type) as rank:
         if point["measure"].get("snapshot_file"):  # one file per rank
             point["measure"]["snapshot_file"] = point["measure"]["snapshot_file"].replace(".pickle", f".rank{rank}.pickle")
-        row = measure(point)
+        try:
+            row = measure(point)
+        except Exception as exc:
+            row = error_row(exc)
         (request.parent / f"rank{rank}.json").write_text(json.dumps(row))
-        if row["status"] == "oom":  # the others wait for this rank in a collective: leave now, torchrun stops them
+        if row["status"] != "ok":  # the others wait for this rank in a collective: leave now, torchrun stops them
             sys.stdout.flush()
-            os._exit(OOM_EXIT)
+            os._exit(FAILED_EXIT)
     return 0
