@@ -66,7 +66,7 @@ def add_lora(modules: list[nn.Module], train: dict) -> None:
     """Inject peft LoRA adapters into the LM in place and leave only the adapters trainable there. As
     get_peft_model does, adapters of a bf16/fp16 model are kept in float32 (autocast_adapter_dtype)."""
     from peft import LoraConfig, inject_adapter_in_model
-    from peft.tuners.tuners_utils import cast_adapter_dtype
+    from peft.tuners.tuners_utils import cast_adapter_dtype, check_target_module_exists
 
     from vlmprobe.quantization.lora_layers import STANDIN_LORA
 
@@ -79,12 +79,11 @@ def add_lora(modules: list[nn.Module], train: dict) -> None:
     if missing:
         raise ConfigError(f"train.lora_target_parameters={parameters} is not allowed: no parameter of the language "
                           f"model ends with {missing[0]}")
-    # peft's rule for a list of target_modules: a module's whole name, or its end after a dot, so that a path such
-    # as LLaMA-Factory's lora_target 45.mlp.down_proj adapts that one module (check_target_module_exists)
-    targets = tuple(f".{key}" for key in config.target_modules)
+    # names matched by peft's own rule (a module's whole name, or its end after a dot), so that a path such as
+    # LLaMA-Factory's lora_target 45.mlp.down_proj adapts that one module
     injected = 0
     for module in modules:
-        linear = any(isinstance(m, nn.Linear) and (name in config.target_modules or name.endswith(targets))
+        linear = any(isinstance(m, nn.Linear) and check_target_module_exists(config, name)
                      for name, m in module.named_modules())
         if linear or any(name.endswith(tuple(parameters)) for name in names[module]):
             with fake_modules_move_by_data():

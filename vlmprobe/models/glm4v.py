@@ -5,7 +5,8 @@ Glm4vMoeForConditionalGeneration with random weights. Their processor and their 
 - Images (Glm4vImageProcessor): the same smart_resize with 14 px patches merged 2 x 2 (a side is a multiple of
   28 px, a patch 3 x 2 x 14 x 14 = 1176 values), but the pixel bounds hold both frames of the temporal patch a
   still image is repeated over (t_bar x H x W with t_bar = 2, so an image gets half the bounds' pixels), and a
-  side below 28 px is scaled up to 28 first instead of being refused (Qwen2VLSpec.smart_resize's `frames`).
+  side below 28 px is scaled up to 28 first instead of being refused (qwen2_vl.smart_resize's `frames` and
+  `scale_up_small_sides`).
   Bounds: the processor class's own (size.shortest_edge 112 x 112, size.longest_edge 28 x 28 x 15000); a
   config.json read with model=hf takes its preprocessor_config.json's where there is one.
 - Prompt: <|begin_of_image|>, one <|image|> per merged token, <|end_of_image|> (the chat template writes the
@@ -50,7 +51,7 @@ class Glm4vSpec(Qwen2VLSpec):
                   "image_token_id", "video_token_id")
     markers = ("image_start_token_id", "image_end_token_id")
     frames_in_budget = 2  # an image is counted as its temporal patch of 2 frames against the pixel bounds
-    refuses_sides_below_factor = False  # the processor scales such a side up to 28 px
+    scales_up_small_sides = True  # the processor scales a side below 28 px up to 28 px
     frame_timestamps_as_text = True  # "<|end_of_image|>12" after each frame
     reads_video_preprocessor = False  # videos are refused
 

@@ -62,16 +62,16 @@ from vlmprobe.models.fake_constants import collated, constant_tensor
 
 
 def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixels: int,
-                 frames: int = 1) -> tuple[int, int]:
+                 frames: int = 1, scale_up_small_sides: bool = False) -> tuple[int, int]:
     """(H, W) the Qwen2-VL image processor resizes a `height` x `width` image to (transformers'
     qwen2_vl smart_resize, 5.17-5.24): each side rounded to a multiple of `factor`, then scaled down
     (floor) if H*W > max_pixels or up (ceil) if H*W < min_pixels, keeping the aspect ratio.
 
-    GLM-4.1V's processor (glm4v smart_resize) is this rule with two changes, given by `frames` > 1: the bounds hold
-    the pixels of all `frames` of the temporal patch (a still image is its 2 frames, so the bounds per image are
-    halved), and a side below `factor` is first scaled up to it (Qwen2-VL's callers refuse such a side before:
-    Qwen2VLSpec._resized)."""
-    if frames > 1 and (height < factor or width < factor):
+    GLM-4.1V's processor (glm4v smart_resize) is this rule with two changes: the bounds hold the pixels of all
+    `frames` of the temporal patch (a still image is its 2 frames, so the bounds per image are halved), and
+    `scale_up_small_sides`: a side below `factor` is first scaled up to it (Qwen2-VL's callers refuse such a side
+    before: Qwen2VLSpec._resized)."""
+    if scale_up_small_sides and (height < factor or width < factor):
         scale = max(factor / height, factor / width)
         height, width = int(height * scale), int(width * scale)
     if max(height, width) / min(height, width) > 200:
@@ -136,7 +136,7 @@ class Qwen2VLSpec(ModelSpec):
     token_keys = ("vision_start_token_id", "vision_end_token_id", "image_token_id", "video_token_id")
     markers = ("vision_start_token_id", "vision_end_token_id")
     frames_in_budget = 1  # frames smart_resize counts against the pixel bounds for a still image (GLM-4.1V: 2)
-    refuses_sides_below_factor = True  # a side below patch x merge px is refused (see _resized)
+    scales_up_small_sides = False  # a side below patch x merge px: scaled up to it (GLM), else refused (_resized)
     frame_timestamps_as_text = False  # the processor writes each frame's timestamp as text (videos then refused)
 
     def __init__(self, name: str, image_size: int, min_pixels: int, max_pixels: int, token_ids: dict,
@@ -224,7 +224,7 @@ class Qwen2VLSpec(ModelSpec):
 
     def _resized(self, size: int, field: str, low: int, high: int) -> tuple[int, int]:
         """(rows, cols) of 14 px patches of a `size` px square image or frame resized within [low, high] px."""
-        if size < self.factor and self.refuses_sides_below_factor:
+        if size < self.factor and not self.scales_up_small_sides:
             # Qwen2VLImageProcessor's smart_resize refused a side below `factor` ("height:.. or width:.. must
             # be larger than factor:28", transformers 4.45-4.52). 4.53 and later (the 5.x admitted here) drop
             # the check and upsample such an image to min_pixels, so a row for it would describe an image
@@ -234,7 +234,8 @@ class Qwen2VLSpec(ModelSpec):
                               f"{self.vision['spatial_merge_size']} (Qwen2VLImageProcessor's smart_resize: \"must be "
                               f"larger than factor:{self.factor}\"; transformers >= 4.53 upsamples it instead)")
         try:
-            height, width = smart_resize(size, size, self.factor, low, high, self.frames_in_budget)
+            height, width = smart_resize(size, size, self.factor, low, high, self.frames_in_budget,
+                                         self.scales_up_small_sides)
         except ValueError as exc:  # the processor's own refusal (aspect ratio above 200)
             raise ConfigError(f"data.{field}={size} is not allowed for {self.name}: Qwen2VLImageProcessor's "
                               f"smart_resize refuses it: {exc}") from None
