@@ -97,6 +97,25 @@ def test_cuda_pads_grouped_mm_output_rows_to_16_bytes_and_so_does_the_estimate()
             torch._grouped_mm(tokens.float(), experts.transpose(-2, -1), offs=offsets)
 
 
+def test_cudas_grouped_mm_rule_goes_in_where_torch_refuses_overrides_by_default(monkeypatch):
+    # torch 2.11 (the GPU image) registers _grouped_mm's meta kernel from Python and its Library.impl refuses to
+    # override a Python kernel unless allow_override=True (the default became True in 2.13, pytorch#182293): there
+    # every estimate stopped entering cuda_grouped_mm. The same conditions here: 2.11's default and its record.
+    import functools
+
+    from torch import library
+
+    impl = library.Library.impl
+    monkeypatch.setattr(library.Library, "impl", functools.partialmethod(impl, allow_override=False))
+    monkeypatch.setattr(library, "_impls", library._impls | {"aten/_grouped_mm/Meta"})
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode(), cuda_grouped_mm():
+        out = torch._grouped_mm(torch.empty(12, 16), torch.empty(4, 20, 16).transpose(-2, -1),
+                                offs=torch.empty(4, dtype=torch.int32))
+        assert (out.dtype, out.stride()) == (torch.float32, (20, 1))  # fp32, which torch's own meta refuses
+
+
 def test_torchs_own_meta_kernel_refuses_fp32_which_cuda_runs():
     # why estimate/grouped_mm.py exists: torch 2.13's meta kernel checks the CUTLASS fast path's dtypes (bf16
     # only), while CUDA's _grouped_mm_cuda falls back to a loop of mm for fp32. If this fails, torch's meta kernel

@@ -108,7 +108,10 @@ def cuda_grouped_mm():
         with warnings.catch_warnings():
             # "Overriding a previously registered kernel": torch's own meta kernel, back when lib is destroyed
             warnings.filterwarnings("ignore", message="(?s).*Overriding a previously registered kernel")
-            lib.impl("_grouped_mm", _grouped_mm_meta, "Meta")
+            # allow_override: torch 2.11 registers that meta kernel from Python (_meta_registrations), and until
+            # torch 2.13 (pytorch#182293) Library.impl refused to override a Python kernel unless asked to: every
+            # estimate on the GPU image (torch 2.11) failed here, MoE or not
+            lib.impl("_grouped_mm", _grouped_mm_meta, "Meta", allow_override=True)
         yield
     finally:
         lib._destroy()
