@@ -74,21 +74,22 @@ def test_nothing_is_predicted_without_a_card_or_where_its_context_is_not_known()
     assert device_profile.predicted_device_bytes(1000 * MiB, device_profile.load("a100_80gb")) is None
 
 
-def test_the_h100_context_is_what_the_committed_h100_runs_held_outside_the_allocator():
+@pytest.mark.parametrize("card_dir, profile", [("nvidia-h100-80gb-hbm3", "h100_80gb"), ("nvidia-h200", "h200")])
+def test_a_cards_context_is_what_its_committed_runs_held_outside_the_allocator(card_dir, profile):
     """nvidia-smi's per-process figure minus the allocator's peak reservation, in each committed run on the card
     (read after the steps; with no allocation retry the reservation still stood at its peak): the profile takes
     the largest, so predicted_device_bytes of those points is never below what NVML showed."""
     from vlmprobe.results import gpu_check_runs, read_table
 
     root = REPO / "results" / "gpu_check"
-    runs = [run for run in gpu_check_runs(root) if run.relative_to(root).parts[0] == "nvidia-h100-80gb-hbm3"]
+    runs = [run for run in gpu_check_runs(root) if run.relative_to(root).parts[0] == card_dir]
     assert runs
     held = []  # the process outside the allocator is the same whatever program a run measured (superseded or not)
     for run in runs:
         rows = read_table(run / "results.csv")
         rows = rows[(rows["status"] == "ok") & (rows["num_alloc_retries"] == 0)]
         held += (rows["nvml_process_bytes"] - rows["peak_reserved_bytes"]).tolist()
-    card = device_profile.load("h100_80gb")
+    card = device_profile.load(profile)
     assert card.cuda_context_bytes == max(held) and max(held) - min(held) <= 4 * MiB
     assert device_profile.predicted_device_bytes(1000 * MiB, card) == 1000 * MiB + max(held)
 
