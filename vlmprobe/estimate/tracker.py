@@ -13,6 +13,9 @@ outside every device figure. Where it goes is `PLACEMENT` when a caller set it (
 names a side: vlmprobe.distributed.host_memory), else where its inputs are: an op whose input storages
 (0-dim scalars aside) all live on the host runs on the host, as on CUDA (the optimizer step over offloaded
 partitions); anything else runs on the device.
+What CUDA allocates that no op returns, or returns differently: the contiguous copies a CUDA kernel makes of its
+inputs while it runs (vlmprobe.estimate.kernel_copies), and the autograd engine's sum of two gradients of one tensor,
+which CUDA writes into the first and the engine under a dispatch mode never does (vlmprobe.estimate.gradient_sums).
 cuBLAS workspaces (`blas_workspaces`, from the target card's profile): CUDA allocates them through the caching
 allocator, so they count in memory_allocated; the tracker allocates them where CUDA does (see
 LiveBytesTracker.__init__).
@@ -34,8 +37,10 @@ from torch._subclasses.fake_tensor import DataDependentOutputException, FakeTens
 from torch._subclasses.fake_tensor import _device_handler as _fake_device
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 
+from vlmprobe.estimate import kernel_copies
 from vlmprobe.estimate.alloc_conf import AllocatorSettings
 from vlmprobe.estimate.allocator import CachingAllocatorModel
+from vlmprobe.estimate.gradient_sums import first_summand
 from vlmprobe.sizes import BYTE_UNITS
 
 _DEVICE = torch.ops.prim.device.default
@@ -235,6 +240,8 @@ class LiveBytesTracker(TorchDispatchMode):
         kwargs = kwargs or {}
         if aliases_inputs(func):  # a view (about a quarter of a ZeRO-3 step's ops): nothing new to charge
             return self._call(func, types, args, kwargs)
+        summand = first_summand(func, args, kwargs)  # the engine adding a gradient into another in place on CUDA
+        scratch = self._kernel_copies(func, args, kwargs)  # allocated before the op's outputs, as CUDA's kernel does
         try:
             out = self._call(func, types, args, kwargs)
         except DataDependentOutputException:
@@ -248,7 +255,7 @@ class LiveBytesTracker(TorchDispatchMode):
             if args[0].dtype.is_floating_point:
                 return 1.0
             return False if args[0].dtype == torch.bool else 0
-        if func in _FROM_PYTHON_DATA:
+        if func in _FROM_PYTHON_DATA or (summand is not None and self._add_into(summand, out)):
             return out
         inputs = None
         for t in storage_tensors(out):
@@ -263,7 +270,34 @@ class LiveBytesTracker(TorchDispatchMode):
                 self._charge(storage, self._host is not None and self._placed_on_host(args, kwargs))
         if self._blas_pending and func.overloadpacket in _BLAS_OPS:
             self._blas_workspace(args, kwargs)
+        for handle in scratch:  # the kernel's copies die as it returns, after its outputs are made
+            self._free(handle)
         return out
+
+    def _kernel_copies(self, func, args, kwargs) -> list[int]:
+        """Blocks for the contiguous copies CUDA's kernel of `func` makes of its inputs inside the op
+        (vlmprobe.estimate.kernel_copies): allocated (and logged) here; the caller frees them when the op returns.
+        None for an op on the host (offloaded work runs no CUDA kernel): an empty list."""
+        sizes = kernel_copies.copies(func, args)
+        if not sizes or (self._host is not None and self._placed_on_host(args, kwargs)):
+            return []
+        handles = [self.allocator.malloc(nbytes) for nbytes in sizes]
+        if self.log is not None:
+            for handle, nbytes in zip(handles, sizes):
+                self.log.malloc(handle, nbytes)
+        return handles
+
+    def _add_into(self, summand: torch.Tensor, out: torch.Tensor) -> bool:
+        """Charge the engine's gradient sum `out` as CUDA's `summand.add_(...)`: the sum takes over summand's block,
+        so nothing is allocated, and summand's death frees nothing (vlmprobe.estimate.gradient_sums). False where
+        summand has no block here (made before the tracker, or on the host)."""
+        entry = self._blocks.pop(summand.untyped_storage(), None)
+        if entry is None:
+            return False
+        handle, finalizer = entry
+        finalizer.detach()
+        self.adopt(out.untyped_storage(), handle)
+        return True
 
     def _blas_workspace(self, args, kwargs) -> None:
         """Make this thread's cuBLAS workspace if the matrix multiply just run is the thread's first (see
