@@ -5,6 +5,11 @@ settings, and print allocated / reserved bytes, model vs recorded, at the peaks 
 
     python scripts/check_allocator.py SNAPSHOT.pickle [SNAPSHOT.pickle ...] [--alloc-conf TEXT]
     python scripts/check_allocator.py RESULTS_DIR      # every snapshot a cuda sweep wrote (measure.snapshot=true)
+    python scripts/check_allocator.py RESULTS_DIR --requests-csv requests.csv
+
+--requests-csv also writes what each run asked the allocator for (snapshot, point_id where the sweep's results.csv
+names the snapshot, size_bytes, count: one row per size), the figures an estimate's own allocations are held to
+(tests/test_estimate_vs_cuda.py) without committing the snapshots.
 
 A cuda sweep with measure.snapshot=true writes one snapshot per point to <results>/snapshots/ (the row's
 snapshot_file); any other run can write one with torch.cuda.memory._record_memory_history() and
@@ -17,12 +22,15 @@ snapshot (one line). MiB = 1024^2 bytes.
 from __future__ import annotations
 
 import argparse
+import csv
 import sys
 from pathlib import Path
 
+import pandas as pd
+
 from vlmprobe.errors import ConfigError
 from vlmprobe.estimate import alloc_conf
-from vlmprobe.estimate.snapshot_replay import NotASnapshot, load, replay, settings_text
+from vlmprobe.estimate.snapshot_replay import NotASnapshot, load, replay, requests, settings_text
 
 MiB = 2**20
 
@@ -32,6 +40,16 @@ def snapshot_paths(paths: list[str]) -> list[Path]:
     for name in paths:
         path = Path(name)
         found.extend(sorted((path / "snapshots").glob("*.pickle")) if path.is_dir() else [path])
+    return found
+
+
+def point_ids(paths: list[Path]) -> dict[str, str]:
+    """snapshot file name -> point_id, from the results.csv of each sweep the snapshots came from."""
+    found = {}
+    for results in {path.parent.parent / "results.csv" for path in paths}:
+        if results.exists():
+            rows = pd.read_csv(results, usecols=["point_id", "snapshot_file"]).dropna()
+            found.update({Path(name).name: point for point, name in zip(rows["point_id"], rows["snapshot_file"])})
     return found
 
 
@@ -60,11 +78,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("snapshots", nargs="+", help="snapshot pickles, or results dirs with a snapshots/ folder")
     parser.add_argument("--alloc-conf", default=None, help="allocator settings to replay with (default: the snapshot's)")
     parser.add_argument("--capacity", type=int, default=None, help="device bytes for the model's out-of-memory path")
+    parser.add_argument("--requests-csv", default=None, help="also write each run's allocation requests by size here")
     args = parser.parse_args(argv)
     paths = snapshot_paths(args.snapshots)
     if not paths:
         print(f"check_allocator: no snapshot in {', '.join(args.snapshots)}", file=sys.stderr)
         return 2
+    rows = []
+    points = point_ids(paths)
     for path in paths:
         try:
             snapshot = load(path)
@@ -75,6 +96,12 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         result = replay(snapshot, settings, args.capacity, alloc_conf.allowed_maximum(settings, args.capacity, False))
         print(table(path, conf, result) + "\n")
+        rows += [(path.name, points.get(path.name, ""), size, count) for size, count in sorted(requests(snapshot).items())]
+    if args.requests_csv:
+        with open(args.requests_csv, "w", newline="") as out:
+            writer = csv.writer(out)
+            writer.writerow(["snapshot", "point_id", "size_bytes", "count"])
+            writer.writerows(rows)
     return 0
 
 

@@ -150,10 +150,10 @@ def read_results_dir(out_dir: Path) -> pd.DataFrame:
         raise ValueError(f"{csv} could not be read: {exc}") from None
 
 
-def gpu_check_runs(root: Path, sweep: str = "*") -> list[Path]:
-    """The results dirs scripts/gpu_check.sh's nightly part measured under `root` (results/gpu_check/:
-    <card>/<stamp>/nightly/<sweep>/<stamp>/), of `sweep` or of every sweep, oldest first per card."""
-    return sorted(csv.parent for csv in Path(root).glob(f"*/*/nightly/{sweep}/*/results.csv"))
+def gpu_check_runs(root: Path, sweep: str = "*", part: str = "nightly") -> list[Path]:
+    """The results dirs scripts/gpu_check.sh's `part` (nightly, allocator) measured under `root`
+    (results/gpu_check/: <card>/<stamp>/<part>/<sweep>/<stamp>/), of `sweep` or of every sweep, oldest first per card."""
+    return sorted(csv.parent for csv in Path(root).glob(f"*/*/{part}/{sweep}/*/results.csv"))
 
 
 SUPERSEDED = "SUPERSEDED.md"  # in a results dir: it measured a program the code no longer runs, and says what changed

@@ -22,6 +22,7 @@ blocks of the snapshot's segments. The pickle is read with an unpickler that bui
 
 from __future__ import annotations
 
+import collections
 import io
 import pickle
 from dataclasses import dataclass, field
@@ -68,6 +69,15 @@ def load(path: Path) -> dict:
 def settings_text(snapshot: dict) -> str | None:
     """The PYTORCH_ALLOC_CONF the recorded run's allocator parsed, where the snapshot says."""
     return (snapshot.get("allocator_settings") or {}).get(SETTINGS_KEY) or None
+
+
+def requests(snapshot: dict, device: int | None = None) -> collections.Counter:
+    """How many times the recorded run asked the allocator for each size (bytes, as asked: `alloc` events), on
+    `device` (default: the one with the most events): the run's allocations, to set beside the estimate's."""
+    traces = snapshot["device_traces"]
+    if device is None:
+        device = max(range(len(traces)), key=lambda d: len(traces[d]))
+    return collections.Counter(event["size"] for event in traces[device] if event["action"] == "alloc")
 
 
 @dataclass
