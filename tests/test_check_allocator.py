@@ -96,6 +96,22 @@ def test_a_results_dir_replays_its_snapshots_folder(tmp_path, capsys):
     assert "point-1.pickle (alloc_conf: default; 7 allocs and frees replayed)" in capsys.readouterr().out
 
 
+def test_the_requests_csv_counts_each_size_the_run_asked_for_and_names_its_point(tmp_path, capsys):
+    import pandas as pd
+
+    (tmp_path / "snapshots").mkdir()
+    _write(tmp_path / "snapshots", _recorded_run(), "point-1.pickle")
+    pd.DataFrame({"point_id": ["data.batch_size=1"], "snapshot_file": ["/elsewhere/snapshots/point-1.pickle"]}).to_csv(
+        tmp_path / "results.csv", index=False)
+    out = tmp_path / "requests.csv"
+    assert _script().main([str(tmp_path), "--requests-csv", str(out)]) == 0
+    table = pd.read_csv(out)
+    # the five allocs of the hand-made run, one of each size; frees and segment events are not requests
+    assert dict(zip(table["size_bytes"], table["count"])) == {1000: 1, 2 * MiB + 1: 1, 3 * MiB: 1, 5 * MiB: 1,
+                                                              30 * MiB: 1}
+    assert set(table["point_id"]) == {"data.batch_size=1"} and set(table["snapshot"]) == {"point-1.pickle"}
+
+
 @pytest.mark.parametrize("content, why", [
     (pickle.dumps([1, 2, 3]), "no 'segments' and 'device_traces' lists"),
     (b"not a pickle at all", "is not a torch.cuda.memory._snapshot() pickle"),
