@@ -9,9 +9,12 @@
 #   4. finding          python -m vlmprobe.check on the measured seq_len sweep (also in 2; here with its table)
 #   5. recording_cost   one seq_len point with measure.record_history=off|alloc|all: what history costs in
 #                       step_time_s (device figures must not change)
-#   6. allocator        the seq_len sweep at length 512 under three allocator settings (default,
-#                       expandable_segments:True, max_split_size_mb:128) with snapshots, and
+#   6. allocator        the whole seq_len sweep under three allocator settings (default, expandable_segments:True,
+#                       max_split_size_mb:128; 24 points, about 5 minutes on an H200) with snapshots, then
 #                       scripts/check_allocator.py replaying each through the allocator model (check_allocator.log)
+#                       and counting what each run asked the allocator for (allocator_requests.csv, which
+#                       tests/test_estimate_vs_cuda.py holds the estimate's allocations to), and
+#                       scripts/check_estimate.py --cuda-dir on the sweep (allocator_vs_estimate)
 #   7. grpo             the VLM-R1 preset's batch-1 GRPO point (Qwen2.5-VL-3B, 4 x 2048 completion tokens) on
 #                       cuda, SDPA attention (flash-attn is not in the GPU image) and no card profile (this card's
 #                       memory is the capacity), then scripts/check_estimate.py --cuda-dir on it (grpo_vs_estimate)
@@ -94,10 +97,12 @@ wanted recording_cost && step recording_cost python -m vlmprobe +sweep=seq_len m
   "+sweep.axes.measure.record_history=[off,alloc,all]"
 if wanted allocator; then
   step allocator python -m vlmprobe +sweep=seq_len measure.backend=cuda measure.snapshot=true \
-    "results_dir=$OUT/allocator" "sweep.axes.data.lm_max_length=[512]" \
-    '+sweep.axes.measure.alloc_conf=[null,"expandable_segments:True","max_split_size_mb:128"]'
+    "results_dir=$OUT/allocator" '+sweep.axes.measure.alloc_conf=[null,"expandable_segments:True","max_split_size_mb:128"]'
   ALLOCATOR=$(newest "$OUT/allocator/seq_len")
-  [ -n "$ALLOCATOR" ] && step check_allocator python scripts/check_allocator.py "$ALLOCATOR"
+  if [ -n "$ALLOCATOR" ]; then
+    step check_allocator python scripts/check_allocator.py "$ALLOCATOR" --requests-csv "$OUT/allocator_requests.csv"
+    step allocator_vs_estimate python scripts/check_estimate.py --parts cuda --cuda-dir "$ALLOCATOR"
+  fi
 fi
 if wanted grpo; then
   step grpo python -m vlmprobe +sweep=preset_vlm_r1_grpo_h20 measure.backend=cuda "results_dir=$OUT/grpo" \
