@@ -139,6 +139,19 @@ def spec(compose):
     return lambda name, *extra: instantiate(compose([f"model={name}", *extra]).model, _convert_="all")
 
 
+def meta_counts(spec) -> tuple[int, tuple[int, int, int]]:
+    """(parameters, (vision tower, language model, LM head) parameters) of `spec`'s model built on the meta
+    device, for the families laid out as transformers' Qwen3-VL and GLM-4V are (model.visual,
+    model.language_model, lm_head); every parameter trainable."""
+    from vlmprobe.models.base import count_params
+
+    model = spec.build("meta", torch.bfloat16, init=False)
+    total, trainable = count_params(model)
+    assert trainable == total
+    parts = (model.model.visual, model.model.language_model, model.lm_head)
+    return total, tuple(count_params(part)[0] for part in parts)
+
+
 @pytest.fixture
 def plan_points(compose):
     """plan_points(overrides) -> the planned points of that command line."""

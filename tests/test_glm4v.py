@@ -6,9 +6,10 @@ and FSDP2 on real ranks: test_families.py; config.json: test_hf.py.)"""
 import pytest
 import torch
 
+from conftest import meta_counts
 from hand_counts import glm4_lm_params, glm4_moe_lm_params, glm4v_vision_params
 from vlmprobe.errors import ConfigError
-from vlmprobe.models.base import DataShape, count_params
+from vlmprobe.models.base import DataShape
 from vlmprobe.worker import measure
 
 CPU = torch.device("cpu")
@@ -24,12 +25,10 @@ CPU = torch.device("cpu")
 ])
 def test_glm4v_on_meta_matches_the_hand_count_of_its_config(spec, name, params, parts):
     glm = spec(name)
-    model = glm.build("meta", torch.bfloat16, init=False)
-    assert count_params(model) == (params, params)
-    built = (model.model.visual, model.model.language_model, model.lm_head)
-    assert tuple(count_params(m)[0] for m in built) == parts
+    assert meta_counts(glm) == (params, parts)
     assert parts[0] == glm4v_vision_params(glm.vision)
     assert parts[1] == (glm4_moe_lm_params if "n_routed_experts" in glm.text else glm4_lm_params)(glm.text)
+    model = glm.build("meta", torch.bfloat16, init=False)
     routers = sum(b.numel() for n, b in model.named_buffers() if n.endswith("e_score_correction_bias"))
     assert routers == (glm.text["num_hidden_layers"] - glm.text["first_k_dense_replace"]) * glm.text[
         "n_routed_experts"] if "n_routed_experts" in glm.text else routers == 0

@@ -6,9 +6,10 @@ positions against the model's own: test_qwen2_vl.py.)"""
 import pytest
 import torch
 
+from conftest import meta_counts
 from hand_counts import qk_norm_lm_params, qwen3_vl_vision_params
 from vlmprobe.errors import ConfigError
-from vlmprobe.models.base import DataShape, count_params
+from vlmprobe.models.base import DataShape
 from vlmprobe.worker import measure
 
 CPU = torch.device("cpu")
@@ -19,13 +20,11 @@ def test_qwen3_vl_8b_on_meta_matches_the_hand_count_of_its_config(spec):
     # The model card says "8B"; the Hub's safetensors count (recalled, not re-read: no hub access here) is
     # "8.77B", which this exact count rounds to
     qwen = spec("qwen3_vl_8b")
-    model = qwen.build("meta", torch.bfloat16, init=False)
-    assert count_params(model) == (8_767_123_696, 8_767_123_696)
-    parts = (model.model.visual, model.model.language_model, model.lm_head)
-    assert tuple(count_params(m)[0] for m in parts) == (576_388_336, 7_568_405_504, 622_329_856)  # untied head
-    assert count_params(model.model.visual)[0] == qwen3_vl_vision_params(qwen.vision)
-    assert count_params(model.model.language_model)[0] == qk_norm_lm_params(qwen.text, 2)  # Qwen3: 2 norms a layer
-    assert len(model.model.visual.deepstack_merger_list) == 3
+    parts = (576_388_336, 7_568_405_504, 622_329_856)  # untied head
+    assert meta_counts(qwen) == (8_767_123_696, parts)
+    assert parts[0] == qwen3_vl_vision_params(qwen.vision)
+    assert parts[1] == qk_norm_lm_params(qwen.text, 2)  # Qwen3: 2 norms a layer
+    assert len(qwen.build("meta", torch.bfloat16, init=False).model.visual.deepstack_merger_list) == 3
 
 
 @pytest.mark.parametrize("side,resized", [

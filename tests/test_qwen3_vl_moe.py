@@ -8,11 +8,12 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from conftest import meta_counts
 from hand_counts import qwen3_moe_lm_params, qwen3_vl_vision_params
 from test_families import BYTE_COLUMNS
 from vlmprobe.errors import ConfigError
 from vlmprobe.estimate.grouped_mm import cuda_grouped_mm
-from vlmprobe.models.base import DataShape, count_params
+from vlmprobe.models.base import DataShape
 from vlmprobe.worker import measure
 
 GROUPED_MM = torch.ops.aten._grouped_mm.default
@@ -26,10 +27,7 @@ GROUPED_MM = torch.ops.aten._grouped_mm.default
 ])
 def test_qwen3_vl_moe_on_meta_matches_the_hand_count_of_its_config(spec, name, params, parts):
     qwen = spec(name)
-    model = qwen.build("meta", torch.bfloat16, init=False)
-    assert count_params(model) == (params, params)
-    built = (model.model.visual, model.model.language_model, model.lm_head)
-    assert tuple(count_params(m)[0] for m in built) == parts
+    assert meta_counts(qwen) == (params, parts)
     assert parts[0] == qwen3_vl_vision_params(qwen.vision)
     assert parts[1] == qwen3_moe_lm_params(qwen.text)
 

@@ -71,13 +71,18 @@ def settings_text(snapshot: dict) -> str | None:
     return (snapshot.get("allocator_settings") or {}).get(SETTINGS_KEY) or None
 
 
-def requests(snapshot: dict, device: int | None = None) -> collections.Counter:
-    """How many times the recorded run asked the allocator for each size (bytes, as asked: `alloc` events), on
-    `device` (default: the one with the most events): the run's allocations, to set beside the estimate's."""
+def _trace(snapshot: dict, device: int | None) -> tuple[int, list]:
+    """(device, its trace): `device`'s, or by default the one with the most events."""
     traces = snapshot["device_traces"]
     if device is None:
         device = max(range(len(traces)), key=lambda d: len(traces[d]))
-    return collections.Counter(event["size"] for event in traces[device] if event["action"] == "alloc")
+    return device, traces[device]
+
+
+def requests(snapshot: dict, device: int | None = None) -> collections.Counter:
+    """How many times the recorded run asked the allocator for each size (bytes, as asked: `alloc` events), on
+    `device` (default: the one with the most events): the run's allocations, to set beside the estimate's."""
+    return collections.Counter(event["size"] for event in _trace(snapshot, device)[1] if event["action"] == "alloc")
 
 
 @dataclass
@@ -99,14 +104,12 @@ class Replay:
 def replay(snapshot: dict, settings: AllocatorSettings, capacity: int | None = None,
            allowed_maximum: int | None = None, device: int | None = None) -> Replay:
     """Replay the trace of `device` (default: the one with the most events) through the model."""
-    traces = snapshot["device_traces"]
-    if device is None:
-        device = max(range(len(traces)), key=lambda d: len(traces[d]))
+    device, trace = _trace(snapshot, device)
     model = CachingAllocatorModel(capacity, settings, allowed_maximum)
     out = Replay()
     live: dict[int, int] = {}
     reserved = requested = peak_reserved = peak_requested = 0
-    for index, event in enumerate(traces[device]):
+    for index, event in enumerate(trace):
         action, size = event["action"], event.get("size", 0)
         out.streams.add(event.get("stream", 0))
         if action in GROW:

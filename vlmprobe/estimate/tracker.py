@@ -130,10 +130,7 @@ class LiveBytesTracker(TorchDispatchMode):
             self.host_peak = max(self.host_peak, self.host_current)
             weakref.finalize(storage, self._free_host, cell).atexit = False
             return
-        handle = self.allocator.malloc(storage.nbytes())
-        if self.log is not None:
-            self.log.malloc(handle, storage.nbytes())
-        self.adopt(storage, handle)
+        self.adopt(storage, self.malloc_block(storage.nbytes()))
 
     def adopt(self, storage, handle: int) -> None:
         """Charge live `storage` with block `handle` of the allocator model, allocated for it already: freed into
@@ -255,8 +252,18 @@ class LiveBytesTracker(TorchDispatchMode):
             if args[0].dtype.is_floating_point:
                 return 1.0
             return False if args[0].dtype == torch.bool else 0
-        if func in _FROM_PYTHON_DATA or (summand is not None and self._add_into(summand, out)):
+        if func in _FROM_PYTHON_DATA:
             return out
+        if summand is None or not self._add_into(summand, out):
+            self._charge_outputs(out, args, kwargs)
+        if self._blas_pending and func.overloadpacket in _BLAS_OPS:
+            self._blas_workspace(args, kwargs)
+        for handle in scratch:  # the kernel's copies die as it returns, after its outputs are made
+            self.free_block(handle)
+        return out
+
+    def _charge_outputs(self, out, args, kwargs) -> None:
+        """Charge each storage the op returned that is new: not seen before and not one of its inputs'."""
         inputs = None
         for t in storage_tensors(out):
             if t.device.type == "meta":
@@ -268,24 +275,15 @@ class LiveBytesTracker(TorchDispatchMode):
                 inputs = {id(a.untyped_storage()) for a in storage_tensors((args, kwargs))}
             if id(storage) not in inputs:
                 self._charge(storage, self._host is not None and self._placed_on_host(args, kwargs))
-        if self._blas_pending and func.overloadpacket in _BLAS_OPS:
-            self._blas_workspace(args, kwargs)
-        for handle in scratch:  # the kernel's copies die as it returns, after its outputs are made
-            self._free(handle)
-        return out
 
     def _kernel_copies(self, func, args, kwargs) -> list[int]:
         """Blocks for the contiguous copies CUDA's kernel of `func` makes of its inputs inside the op
-        (vlmprobe.estimate.kernel_copies): allocated (and logged) here; the caller frees them when the op returns.
-        None for an op on the host (offloaded work runs no CUDA kernel): an empty list."""
+        (vlmprobe.estimate.kernel_copies); the caller frees them when the op returns. No block for an op on the
+        host (offloaded work runs no CUDA kernel)."""
         sizes = kernel_copies.copies(func, args)
-        if not sizes or (self._host is not None and self._placed_on_host(args, kwargs)):
+        if sizes and (self._host is not None and self._placed_on_host(args, kwargs)):
             return []
-        handles = [self.allocator.malloc(nbytes) for nbytes in sizes]
-        if self.log is not None:
-            for handle, nbytes in zip(handles, sizes):
-                self.log.malloc(handle, nbytes)
-        return handles
+        return [self.malloc_block(nbytes) for nbytes in sizes]
 
     def _add_into(self, summand: torch.Tensor, out: torch.Tensor) -> bool:
         """Charge the engine's gradient sum `out` as CUDA's `summand.add_(...)`: the sum takes over summand's block,
