@@ -80,6 +80,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--capacity", type=int, default=None, help="device bytes for the model's out-of-memory path")
     parser.add_argument("--requests-csv", default=None, help="also write each run's allocation requests by size here")
     args = parser.parse_args(argv)
+    if args.requests_csv and not Path(args.requests_csv).resolve().parent.is_dir():
+        print(f"check_allocator: --requests-csv {args.requests_csv} is not allowed: its folder does not exist",
+              file=sys.stderr)
+        return 2
     paths = snapshot_paths(args.snapshots)
     if not paths:
         print(f"check_allocator: no snapshot in {', '.join(args.snapshots)}", file=sys.stderr)

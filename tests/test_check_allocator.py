@@ -112,6 +112,13 @@ def test_the_requests_csv_counts_each_size_the_run_asked_for_and_names_its_point
     assert set(table["point_id"]) == {"data.batch_size=1"} and set(table["snapshot"]) == {"point-1.pickle"}
 
 
+def test_a_requests_csv_in_a_folder_that_does_not_exist_is_one_line_before_any_replay(tmp_path, capsys):
+    path = _write(tmp_path, _recorded_run())
+    assert _script().main([str(path), "--requests-csv", str(tmp_path / "missing" / "r.csv")]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.count("\n") == 1 and "its folder does not exist" in err
+
+
 @pytest.mark.parametrize("content, why", [
     (pickle.dumps([1, 2, 3]), "no 'segments' and 'device_traces' lists"),
     (b"not a pickle at all", "is not a torch.cuda.memory._snapshot() pickle"),
