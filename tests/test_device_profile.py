@@ -147,6 +147,8 @@ def test_the_cuda_worker_notes_a_card_that_is_not_the_profiles(real, key, same):
     ("compute_capability", "sm86", "device.compute_capability='sm86' is not allowed: give major.minor"),
     ("total_memory", -1, "device.total_memory=-1 is not allowed: give bytes or a size like 24GiB"),
     ("bf16", "yes", "device.bf16='yes' is not allowed: use true or false"),
+    ("multiprocessors", 0, "device.multiprocessors=0 is not allowed: give a whole number of at least 1"),
+    ("max_threads_per_multiprocessor", "1536", "device.max_threads_per_multiprocessor='1536' is not allowed"),
     ("cuda_context_bytes", "lots", "device.cuda_context_bytes='lots' is not allowed: give bytes"),
 ])
 def test_a_profile_value_the_builder_refuses_is_one_line_naming_it(field, value, message):

@@ -6,6 +6,7 @@ Modules:
 - tracker.py: live tensor storages charged through the allocator model
 - gradient_sums.py: the autograd engine's in-place sum of two gradients of one tensor, as on CUDA
 - kernel_copies.py: the contiguous copies CUDA kernels make of their inputs inside an op
+- reduction_staging.py: the staging buffer CUDA's reduction kernel makes where one reduction spans several blocks
 - allocator.py: the CUDA caching allocator model (blocks, segments, reserved, allocator settings, OOM)
 - alloc_conf.py: measure.alloc_conf (PYTORCH_ALLOC_CONF syntax) read by torch's parser rules
 - snapshot_replay.py: a recorded CUDA snapshot replayed through the allocator model (scripts/check_allocator.py)
@@ -52,6 +53,9 @@ Modelling decisions (each one is what CUDA would do, applied on fake CPU tensors
   does, so the tracker charges the sum into the first's block itself (vlmprobe.estimate.gradient_sums).
 - Kernel copies: the contiguous copies of non-contiguous inputs that CUDA's layer norm (forward and backward) and
   cuDNN's convolution backward make while they run (vlmprobe.estimate.kernel_copies).
+- Reduction staging: with a target card, the buffer and semaphores CUDA's sum and mean kernels allocate where they
+  split each output's inputs across thread blocks (bias and norm-weight gradients over many tokens), from the
+  kernel's own launch rules and the card's multiprocessors (vlmprobe.estimate.reduction_staging).
 - Garbage collection: Python's cyclic collector is off during a point (vlmprobe.estimate.tracked), so a tensor
   held only by a reference cycle lives to the point's end: the step in which no collection falls, the higher
   case (the cpu backend likewise); with it on, the figures moved with how many Python objects happened to be
@@ -63,9 +67,9 @@ Not modelled (the error budget against a CUDA measurement): the CUDA context and
 workspaces of a point with no target card, what the allocator model leaves out (several streams, private pools,
 cudaMallocAsync: see vlmprobe.estimate.allocator; its block rounding is exact for the estimate's own allocation
 sequence, not for CUDA's), and the workspaces kernels make for themselves: cuDNN's (convolution, attention: its
-backward's and its random seed and offset), reductions' staging buffers where one reduction spans many blocks, the
-layer norm backward's partial sums, index_put_'s positions (the allocations a recorded H200 run made that the
-estimate does not: tests/test_estimate_vs_cuda.py, KERNEL_SCRATCH). Per sample, the estimate charges exactly the saved-tensor families
+backward's and its random seed and offset), the embedding backward's sorting scratch (more than 3072 tokens),
+index_put_'s positions (the allocations recorded H200 runs made that the estimate does not:
+tests/test_estimate_vs_cuda.py, KERNEL_SCRATCH). Per sample, the estimate charges exactly the saved-tensor families
 that scripts/check_per_sample.py counts by hand (tests/test_per_sample.py, to the byte); on nanoVLM issue #103
 the published run held ~10 MiB (length 128) and ~44 MiB (512) a sample beyond them, which no saved tensor in
 PyTorch's CUDA kernels we read accounts for, and which an H100 run of the same step does not hold either (README,

@@ -16,6 +16,9 @@ What a profile does to a point:
   matrix multiply of each thread (vlmprobe.estimate.tracker.LiveBytesTracker.blas_workspaces), so they count in
   every allocated and reserved figure as they do on CUDA. Without a profile the architecture, and so their size,
   is unknown: none is charged.
+- reductions (estimate, cpu): the card's multiprocessors decide where CUDA's reduction kernel splits a reduction
+  across thread blocks and allocates a staging buffer for it (vlmprobe.estimate.reduction_staging); none without a
+  profile.
 - predicted_device_bytes (estimate, cpu): the allocator model's peak reserved (workspaces included) + the CUDA
   context, where the profile knows the context (empty otherwise).
 - cuda: the row's notes say so when the card the worker ran on is not the profile's.
@@ -27,6 +30,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from vlmprobe.errors import ConfigError, refused
+from vlmprobe.estimate import reduction_staging
 from vlmprobe.sizes import parse_bytes
 
 GiB = 2**30
@@ -39,6 +43,8 @@ class DeviceProfile:
     name: str  # torch.cuda.get_device_name() on the card
     total_memory: int  # bytes, torch.cuda.get_device_properties(0).total_memory
     compute_capability: tuple[int, int]  # (major, minor): sm86 is (8, 6)
+    multiprocessors: int  # torch.cuda.get_device_properties(0).multi_processor_count (SMs)
+    max_threads_per_multiprocessor: int  # its max_threads_per_multi_processor (resident threads an SM holds)
     bf16: bool  # native bfloat16 (sm80+)
     sdpa: dict  # flash, efficient, cudnn, math: whether each SDPA kernel runs there; default: the one torch tries first
     cublas_workspace_bytes: int  # bytes of one cuBLAS workspace (per handle and stream), from the caching allocator
@@ -85,8 +91,16 @@ def _sdpa(value) -> dict:
     return dict(value)
 
 
-def build(profile=None, name=None, total_memory=None, compute_capability=None, bf16=None, sdpa=None,
-          cublas_workspace_bytes=None, cublaslt_workspace_bytes=None, cuda_context_bytes=None) -> DeviceProfile | None:
+def _count(key: str, value) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigError(f"device.{key}={value!r} is not allowed: give a whole number of at least 1, as "
+                          f"torch.cuda.get_device_properties(0) reports it")
+    return value
+
+
+def build(profile=None, name=None, total_memory=None, compute_capability=None, multiprocessors=None,
+          max_threads_per_multiprocessor=None, bf16=None, sdpa=None, cublas_workspace_bytes=None,
+          cublaslt_workspace_bytes=None, cuda_context_bytes=None) -> DeviceProfile | None:
     """The `_target_` of conf/device/*.yaml: a DeviceProfile, or None for `profile: null` (device=none)."""
     if profile is None:
         return None
@@ -98,7 +112,9 @@ def build(profile=None, name=None, total_memory=None, compute_capability=None, b
         raise ConfigError(f"device.bf16={bf16!r} is not allowed: use true or false")
     return DeviceProfile(
         key=profile, name=name.strip(), total_memory=_bytes("total_memory", total_memory),
-        compute_capability=_capability(compute_capability), bf16=bf16, sdpa=_sdpa(sdpa),
+        compute_capability=_capability(compute_capability), multiprocessors=_count("multiprocessors", multiprocessors),
+        max_threads_per_multiprocessor=_count("max_threads_per_multiprocessor", max_threads_per_multiprocessor),
+        bf16=bf16, sdpa=_sdpa(sdpa),
         cublas_workspace_bytes=_bytes("cublas_workspace_bytes", cublas_workspace_bytes),
         cublaslt_workspace_bytes=_bytes("cublaslt_workspace_bytes", cublaslt_workspace_bytes, allow_zero=True),
         cuda_context_bytes=_bytes("cuda_context_bytes", cuda_context_bytes, allow_none=True))
@@ -198,6 +214,14 @@ def workspace_blocks(profile: DeviceProfile | None) -> tuple[int, ...]:
         return ()
     return (profile.cublas_workspace_bytes,) + ((profile.cublaslt_workspace_bytes,)
                                                  if profile.cublaslt_workspace_bytes else ())
+
+
+def reduction_card(profile: DeviceProfile | None) -> reduction_staging.Card | None:
+    """What CUDA's reduction kernels read of the card to split a reduction across thread blocks
+    (vlmprobe.estimate.reduction_staging). None without a profile: no staging buffer is charged."""
+    if profile is None:
+        return None
+    return reduction_staging.Card(profile.multiprocessors, profile.max_threads_per_multiprocessor)
 
 
 def predicted_device_bytes(peak_reserved: int | None, profile: DeviceProfile | None) -> int | None:

@@ -97,7 +97,8 @@ class TrackedBackend(Backend):
                 stack.enter_context(cuda_grouped_mm())  # MoE experts: CUDA's dtypes and output layout
             tracker = stack.enter_context(LiveBytesTracker(
                 capacity, answer_fake_scalar_reads=self.fake, settings=settings, allowed_maximum=allowed_maximum,
-                blas_workspaces=device_profile.workspace_blocks(device)))
+                blas_workspaces=device_profile.workspace_blocks(device),
+                reduction_card=device_profile.reduction_card(device)))
             if self.fake:
                 tracker.below = fake
             yield TrackerMeter(tracker, capacity)

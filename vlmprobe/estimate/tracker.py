@@ -14,7 +14,8 @@ names a side: vlmprobe.distributed.host_memory), else where its inputs are: an o
 (0-dim scalars aside) all live on the host runs on the host, as on CUDA (the optimizer step over offloaded
 partitions); anything else runs on the device.
 What CUDA allocates that no op returns, or returns differently: the contiguous copies a CUDA kernel makes of its
-inputs while it runs (vlmprobe.estimate.kernel_copies), and the autograd engine's sum of two gradients of one tensor,
+inputs while it runs (vlmprobe.estimate.kernel_copies), a reduction's staging buffer on the target card
+(`reduction_card`; vlmprobe.estimate.reduction_staging), and the autograd engine's sum of two gradients of one tensor,
 which CUDA writes into the first and the engine under a dispatch mode never does (vlmprobe.estimate.gradient_sums).
 cuBLAS workspaces (`blas_workspaces`, from the target card's profile): CUDA allocates them through the caching
 allocator, so they count in memory_allocated; the tracker allocates them where CUDA does (see
@@ -37,7 +38,7 @@ from torch._subclasses.fake_tensor import DataDependentOutputException, FakeTens
 from torch._subclasses.fake_tensor import _device_handler as _fake_device
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 
-from vlmprobe.estimate import kernel_copies
+from vlmprobe.estimate import kernel_copies, reduction_staging
 from vlmprobe.estimate.alloc_conf import AllocatorSettings
 from vlmprobe.estimate.allocator import CachingAllocatorModel
 from vlmprobe.estimate.gradient_sums import first_summand
@@ -81,10 +82,11 @@ class LiveBytesTracker(TorchDispatchMode):
 
     def __init__(self, capacity: int | None = None, answer_fake_scalar_reads: bool = False,
                  settings: AllocatorSettings | None = None, allowed_maximum: int | None = None,
-                 blas_workspaces: tuple[int, ...] = ()):
+                 blas_workspaces: tuple[int, ...] = (), reduction_card: reduction_staging.Card | None = None):
         super().__init__()
         self.allocator = CachingAllocatorModel(capacity, settings, allowed_maximum)
         self.blas_workspaces = blas_workspaces
+        self.reduction_card = reduction_card  # the target card's multiprocessors, for reductions' staging buffers
         self._blas_threads: set[str] = set()  # the threads ("forward", "backward") whose workspace is made
         self._blas_pending = bool(blas_workspaces)  # a thread's workspace is still to make
         self.answer_fake_scalar_reads = answer_fake_scalar_reads
@@ -260,6 +262,9 @@ class LiveBytesTracker(TorchDispatchMode):
             self._blas_workspace(args, kwargs)
         for handle in scratch:  # the kernel's copies die as it returns, after its outputs are made
             self.free_block(handle)
+        if self.reduction_card is not None and func in reduction_staging.REDUCTIONS:
+            # after the copies: a convolution's bias sum runs once cuDNN's kernels have returned
+            self._reduction_staging(func, args, kwargs, out)
         return out
 
     def _charge_outputs(self, out, args, kwargs) -> None:
@@ -284,6 +289,17 @@ class LiveBytesTracker(TorchDispatchMode):
         if sizes and (self._host is not None and self._placed_on_host(args, kwargs)):
             return []
         return [self.malloc_block(nbytes) for nbytes in sizes]
+
+    def _reduction_staging(self, func, args, kwargs, out) -> None:
+        """The staging buffer and semaphores CUDA's kernel of reduction `func` allocates after its output where one
+        output's inputs span several thread blocks, freed as it returns (vlmprobe.estimate.reduction_staging). None
+        for a reduction on the host."""
+        buffer, semaphores = reduction_staging.staging(func, args, kwargs, out, self.reduction_card)
+        if not buffer or (self._host is not None and self._placed_on_host(args, kwargs)):
+            return
+        handles = [self.malloc_block(buffer), self.malloc_block(semaphores)]
+        for handle in reversed(handles):  # the semaphores' DataPtr, declared after the buffer's, is destroyed first
+            self.free_block(handle)
 
     def _add_into(self, summand: torch.Tensor, out: torch.Tensor) -> bool:
         """Charge the engine's gradient sum `out` as CUDA's `summand.add_(...)`: the sum takes over summand's block,
