@@ -24,19 +24,18 @@ RECORDED = [(path, point) for path in sorted((REPO / "results" / "gpu_check").gl
             for point in sorted(set(pd.read_csv(path)["point_id"])) if point.endswith("measure.alloc_conf=null")]
 # The allocations a kernel makes for itself that the estimate does not model, as the recorded runs of batch 1 and 8 at
 # 512 on the H200 (torch 2.11) made them: size (bytes) -> how many times in its two steps. Which kernel makes each is
-# read from the trace's order and sizes against PyTorch's sources, not confirmed on a GPU. Reductions' staging buffers
-# (vlmprobe.estimate.reduction_staging) were 220 buffers and their 220 semaphores of batch 8's before they were modelled.
+# read from the trace's order and sizes against PyTorch's sources, not confirmed on a GPU. Before they were modelled,
+# reductions' staging buffers (vlmprobe.estimate.reduction_staging) were 220 buffers and their 220 semaphores of batch
+# 8's, and cuDNN attention's seeds, offsets and workspaces (vlmprobe.estimate.cudnn_attention) 168 + 84 + 84 of each.
 KERNEL_SCRATCH = {("nvidia-h200", "data.batch_size=1,data.lm_max_length=512,measure.alloc_conf=null"): {
     4249616: 2, 4249744: 2,  # cuDNN's convolution workspaces (forward, backward): its chosen algorithm's, once a step
-    1198336: 60, 611776: 24,  # cuDNN attention's backward workspace: each LM and ViT attention of both steps
-    256: 84, 8: 169,  # cuDNN attention's forward workspace, and its random seed and offset kept on the device
     1048576: 1,  # torch 2.11's cuBLASLt workspace, one a process (2.13 shares cuBLAS's: conf/device/h200.yaml)
     392: 6,  # the int64 positions of the 49 image tokens that index_put_ and nonzero make
+    8: 1,  # an int64 of the image-token placement (with_images, nonzero: the frames of the trace)
 }, ("nvidia-h200", "data.batch_size=8,data.lm_max_length=512,measure.alloc_conf=null"): {
     11976720: 4,  # cuDNN's convolution workspaces, forward and backward, this batch's algorithm's
-    9584896: 60, 4892416: 24,  # cuDNN attention's backward workspaces (4 B x batch x heads x length x (64 + 1) + 256)
-    256: 84, 1048576: 1, 3136: 6,  # cuDNN attention's forward workspace, cuBLASLt's, the 392 image positions
-    8: 173,  # cuDNN attention's seeds and offsets, and the embedding backward's segment counts
+    1048576: 1, 3136: 6,  # cuBLASLt's workspace, the 392 image positions
+    8: 5,  # the one int64 of batch 1, and the embedding backward's segment counts
     # the embedding backward's sorting path (more than 3072 indices: 4096 tokens here; batch 1's 512 take the direct
     # kernel): sorted and original int64 indices, cub's temporary storage, segment offsets, per-segment partial sums
     32768: 16, 83455: 2, 1279: 4, 36040: 2, 10379520: 2,

@@ -12,6 +12,7 @@ Modules:
 - snapshot_replay.py: a recorded CUDA snapshot replayed through the allocator model (scripts/check_allocator.py)
 - autocast_policy.py: CUDA's autocast op lists applied on CPU
 - sdpa_choice.py: the SDPA kernel CUDA would pick, and what it keeps for backward
+- cudnn_attention.py: cuDNN attention's seed, offset and workspaces, on a card that runs it first
 - flash_attn_standin.py: model.attn_implementation=flash_attention_2: flash-attn 2's entry points, allocating
   what its CUDA code allocates, behind transformers' own flash path
 - device_profile.py: the target GPU (conf/device/): capacity, dtypes, kernels, workspaces, context
@@ -42,6 +43,8 @@ Modelling decisions (each one is what CUDA would do, applied on fake CPU tensors
 - Attention: torch's CPU SDPA kernel is a flash kernel that keeps output + logsumexp for backward, as
   CUDA's flash and memory-efficient kernels do (O(seq) state); where CUDA would fall back to the math
   kernel (e.g. fp32 with grouped KV heads), the math kernel runs here too (vlmprobe.estimate.sdpa_choice).
+  Where the card runs cuDNN attention first (sm90), its seed, offset and forward and backward workspaces are made
+  around the same kernel (vlmprobe.estimate.cudnn_attention; the workspace sizes are a recorded H200 run's).
   flash_attention_2 runs transformers' flash path with flash-attn 2's tensors (vlmprobe.estimate.flash_attn_standin).
 - Masks: the models pass no attention mask for unpadded batches, so transformers materialises none (it
   would for fake tensors, taking them for tracing).
@@ -66,8 +69,8 @@ Modelling decisions (each one is what CUDA would do, applied on fake CPU tensors
 Not modelled (the error budget against a CUDA measurement): the CUDA context and NVML-only memory, the cuBLAS
 workspaces of a point with no target card, what the allocator model leaves out (several streams, private pools,
 cudaMallocAsync: see vlmprobe.estimate.allocator; its block rounding is exact for the estimate's own allocation
-sequence, not for CUDA's), and the workspaces kernels make for themselves: cuDNN's (convolution, attention: its
-backward's and its random seed and offset), the embedding backward's sorting scratch (more than 3072 tokens),
+sequence, not for CUDA's), and the workspaces kernels make for themselves: cuDNN's convolution workspaces, the
+embedding backward's sorting scratch (more than 3072 tokens),
 index_put_'s positions (the allocations recorded H200 runs made that the estimate does not:
 tests/test_estimate_vs_cuda.py, KERNEL_SCRATCH). Per sample, the estimate charges exactly the saved-tensor families
 that scripts/check_per_sample.py counts by hand (tests/test_per_sample.py, to the byte); on nanoVLM issue #103

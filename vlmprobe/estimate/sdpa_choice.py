@@ -26,11 +26,12 @@ With a target card (device=, vlmprobe.estimate.device_profile) the card's limits
   cores: minimum_gemm_alignment) rather than 4.
 So on a V100 fp16 attention with grouped KV heads (what transformers passes when there is no mask) runs the
 math kernel, as CUDA does there. Without a card: the rules of an sm80+ card with flash first (A100, RTX 30/40).
-Not modelled: cuDNN attention, which torch tries first on sm90 (H100/H20/H200) with a recent cuDNN. It keeps
-what flash keeps for backward (output and softmax statistics), so the flash-first order gives the same
-bytes wherever flash or memory-efficient would run; it also takes a mask with grouped KV heads, which here
-falls to math (transformers passes grouped heads only without a mask). Its per-call workspace is not
-counted. Nor head_dim > 224 with dropout on sm86/89, nor dropout masks.
+cuDNN attention, which torch tries first on sm90 (H100/H20/H200) with a recent cuDNN, keeps what flash keeps for
+backward (output and softmax statistics), so the flash-first order gives the same saved bytes wherever flash or
+memory-efficient would run; where cuDNN runs (vlmprobe.estimate.cudnn_attention.runs), its seed, offset and
+workspaces are made around the fused kernel (cudnn_attention.call). It also takes a mask with grouped KV heads,
+which here falls to math (transformers passes grouped heads only without a mask). Not modelled: head_dim > 224
+with dropout on sm86/89, dropout masks.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ import contextlib
 import torch
 import torch.nn.functional as F
 
+from vlmprobe.estimate import cudnn_attention
 from vlmprobe.estimate.device_profile import DeviceProfile
 
 LOW_PRECISION = (torch.float16, torch.bfloat16)
@@ -146,8 +148,13 @@ def cuda_sdpa_choice(device: DeviceProfile | None = None):
         if kernel == "efficient" and attn_mask is not None and not cudnn_first(device, dtype):
             attn_mask = aligned_bias(attn_mask, dtype)
         if kernel != "math":
-            return original(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
-                            scale=scale, enable_gqa=enable_gqa)
+            kwargs = dict(attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
+                          enable_gqa=enable_gqa)
+            if cudnn_attention.runs(device, dtype, query, key, value, dropout_p):
+                # autocast's casts come before cuDNN's own allocations, so they are made here first
+                query, key, value = (t.to(dtype) for t in (query, key, value))
+                return cudnn_attention.call(original, query, key, value, **kwargs)
+            return original(query, key, value, **kwargs)
         # autocast casts SDPA's inputs (lower_precision_fp list) but not the math kernel's: cast as it would
         query, key, value = (t.to(dtype) for t in (query, key, value))
         return torch.ops.aten._scaled_dot_product_attention_math(

@@ -1,0 +1,101 @@
+"""cuDNN attention's own allocations on a card that runs it first (vlmprobe.estimate.cudnn_attention), against the
+allocations the H200 run recorded and torch's selection rules."""
+
+import pandas as pd
+import pytest
+import torch
+import torch.nn.functional as F
+
+from conftest import REPO
+from vlmprobe import backends
+from vlmprobe.estimate import cudnn_attention, device_profile
+from vlmprobe.estimate.allocator import CachingAllocatorModel
+
+RECORDED = REPO / "results" / "gpu_check" / "nvidia-h200" / "20261128-163858" / "allocator_requests.csv"
+POINT = "data.batch_size={},data.lm_max_length=512,measure.alloc_conf=null"
+
+
+def _recorded(batch: int) -> dict[int, int]:
+    table = pd.read_csv(RECORDED)
+    return dict(table.loc[table["point_id"] == POINT.format(batch), ["size_bytes", "count"]].itertuples(index=False))
+
+
+@pytest.mark.parametrize("batch, heads, length, size, calls", [
+    (1, 9, 512, 1_198_336, 30), (1, 12, 196, 611_776, 12),  # the LM's 30 layers, the ViT's 12, at batch 1
+    (8, 9, 512, 9_584_896, 30), (8, 12, 196, 4_892_416, 12),  # and at batch 8
+])
+def test_the_backward_workspace_is_what_the_h200_run_asked_for_each_attention(batch, heads, length, size, calls):
+    query = torch.empty(batch, heads, length, 64, dtype=torch.bfloat16)
+    assert cudnn_attention.backward_workspace(query) == size
+    assert _recorded(batch)[size] == 2 * calls  # once a layer, in each of the two steps
+
+
+def test_the_forward_workspace_seed_and_offset_are_what_the_run_asked_for_each_attention():
+    recorded = _recorded(1)
+    assert recorded[cudnn_attention.FORWARD_WORKSPACE] >= 2 * 42  # 30 + 12 layers, two steps
+    assert recorded[8] >= 2 * 2 * 42  # a seed and an offset each
+
+
+def card(key):
+    return device_profile.load(key)
+
+
+@pytest.mark.parametrize("key, dtype, head_dim, key_length, expected", [
+    ("h200", torch.bfloat16, 64, 512, True),
+    ("h200", torch.float16, 256, 512, True),  # sm90 with cuDNN 9.10+: head dims up to 256
+    ("h200", torch.bfloat16, 264, 512, False),
+    ("h200", torch.bfloat16, 100, 512, False),  # not a multiple of 8
+    ("h200", torch.float32, 64, 512, False),  # fp16 / bf16 only
+    ("h200", torch.bfloat16, 64, 1, False),  # a key length of 1
+    ("h100_80gb", torch.bfloat16, 128, 512, True),
+    ("rtx3090", torch.bfloat16, 64, 512, False),  # torch tries flash first there
+    ("a100_80gb", torch.bfloat16, 64, 512, False),
+])
+def test_cudnn_runs_where_torch_tries_it_first_and_takes_the_inputs(key, dtype, head_dim, key_length, expected):
+    q = torch.empty(1, 2, 16, head_dim)
+    kv = torch.empty(1, 2, key_length, head_dim)
+    assert cudnn_attention.runs(card(key), dtype, q, kv, kv, 0.0) == expected
+    assert not cudnn_attention.runs(None, dtype, q, kv, kv, 0.0)
+
+
+def _allocations(device):
+    """The allocator model's requests of one bf16 attention (2 x 4 heads x 64 x 64) and its backward, on `device`."""
+    asked = []
+    malloc = CachingAllocatorModel.malloc
+
+    def counted(self, nbytes):
+        asked.append(nbytes)
+        return malloc(self, nbytes)
+
+    estimate = backends.get("estimate")
+    CachingAllocatorModel.malloc = counted
+    try:
+        with estimate.session(None, device=device) as meter:
+            q, k, v = (torch.empty(2, 4, 64, 64, dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+            grad = torch.empty(2, 4, 64, 64, dtype=torch.bfloat16)
+            before = meter.current()
+            forward = len(asked)
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            kept = meter.current() - before
+            backward = len(asked)
+            out.backward(grad)
+            del out
+            left = meter.current() - before
+    finally:
+        CachingAllocatorModel.malloc = malloc
+    return asked[forward:backward], asked[backward:], kept, left
+
+
+def test_a_cudnn_call_makes_its_seed_offset_and_workspaces_where_cuda_does():
+    out, lse = 2 * 4 * 64 * 64 * 2, 2 * 4 * 64 * 4  # bf16 output, fp32 softmax statistics
+    forward, backward, kept, left = _allocations(card("h200"))
+    # seed and offset, then the output and statistics, then the 256 B workspace dropped at once
+    assert forward == [8, 8, out, lse, 256]
+    assert kept == 512 + 512 + out + lse  # the seed and offset kept for backward, in 512 B blocks
+    workspace = 4 * 2 * 4 * 64 * 64 + 4 * 2 * 4 * 64 + 256  # dQ in fp32, one fp32 a query row, 256 B
+    plain_forward, plain_backward, plain_kept, plain_left = _allocations(card("rtx3090"))  # flash there: none of it
+    assert plain_forward == [out, lse] and plain_kept == out + lse
+    # the same backward with the workspace right after dQ, dK and dV (then the leaves' gradients)
+    assert backward == [out, out, out, workspace] + plain_backward[3:]
+    # after backward the seed and offset are gone with the node's saved tensors; the gradients of q, k, v stay
+    assert left == plain_left == 3 * out
