@@ -14,7 +14,11 @@
 #                       scripts/check_allocator.py replaying each through the allocator model (check_allocator.log)
 #                       and counting what each run asked the allocator for (allocator_requests.csv, which
 #                       tests/test_estimate_vs_cuda.py holds the estimate's allocations to), and
-#                       scripts/check_estimate.py --cuda-dir on the sweep (allocator_vs_estimate)
+#                       scripts/check_estimate.py --cuda-dir on the sweep (allocator_vs_estimate); then batch 1
+#                       and 8 at 512 with flash attention first (TORCH_CUDNN_SDPA_DEPRIORITIZED=1, the card's profile
+#                       with device.sdpa.default=flash), their requests (allocator_flash_requests.csv) and estimate
+#                       (allocator_flash_vs_estimate): flash's backward scratch as attention_scratch.py reads it from
+#                       torch's source, against the card (cuDNN's workspaces in that trace: the variable was ignored)
 #   7. grpo             the VLM-R1 preset's batch-1 GRPO point (Qwen2.5-VL-3B, 4 x 2048 completion tokens) on
 #                       cuda, SDPA attention (flash-attn is not in the GPU image) and no card profile (this card's
 #                       memory is the capacity), then scripts/check_estimate.py --cuda-dir on it (grpo_vs_estimate)
@@ -102,6 +106,19 @@ if wanted allocator; then
   if [ -n "$ALLOCATOR" ]; then
     step check_allocator python scripts/check_allocator.py "$ALLOCATOR" --requests-csv "$OUT/allocator_requests.csv"
     step allocator_vs_estimate python scripts/check_estimate.py --parts cuda --cuda-dir "$ALLOCATOR"
+  fi
+  CARD=$(python -c 'import torch; from vlmprobe.estimate.device_profile import key_of_card
+print(key_of_card(torch.cuda.get_device_name(0)) or "")')
+  if [ -n "$CARD" ]; then
+    step allocator_flash env TORCH_CUDNN_SDPA_DEPRIORITIZED=1 python -m vlmprobe +sweep=seq_len measure.backend=cuda \
+      measure.snapshot=true "results_dir=$OUT/allocator_flash" "device=$CARD" device.sdpa.default=flash \
+      "sweep.axes.data.batch_size=[1,8]" "sweep.axes.data.lm_max_length=[512]"
+    FLASH=$(newest "$OUT/allocator_flash/seq_len")
+    if [ -n "$FLASH" ]; then
+      step check_allocator_flash python scripts/check_allocator.py "$FLASH" \
+        --requests-csv "$OUT/allocator_flash_requests.csv"
+      step allocator_flash_vs_estimate python scripts/check_estimate.py --parts cuda --cuda-dir "$FLASH"
+    fi
   fi
 fi
 if wanted grpo; then

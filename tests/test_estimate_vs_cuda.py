@@ -26,7 +26,7 @@ RECORDED = [(path, point) for path in sorted((REPO / "results" / "gpu_check").gl
 # 512 on the H200 (torch 2.11) made them: size (bytes) -> how many times in its two steps. Which kernel makes each is
 # read from the trace's order and sizes against PyTorch's sources, not confirmed on a GPU. Before they were modelled,
 # reductions' staging buffers (vlmprobe.estimate.reduction_staging) were 220 buffers and their 220 semaphores of batch
-# 8's, and cuDNN attention's seeds, offsets and workspaces (vlmprobe.estimate.cudnn_attention) 168 + 84 + 84 of each.
+# 8's, and cuDNN attention's seeds, offsets and workspaces (vlmprobe.estimate.attention_scratch) 168 + 84 + 84 of each.
 KERNEL_SCRATCH = {("nvidia-h200", "data.batch_size=1,data.lm_max_length=512,measure.alloc_conf=null"): {
     4249616: 2, 4249744: 2,  # cuDNN's convolution workspaces (forward, backward): its chosen algorithm's, once a step
     1048576: 1,  # torch 2.11's cuBLASLt workspace, one a process (2.13 shares cuBLAS's: conf/device/h200.yaml)

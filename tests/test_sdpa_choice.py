@@ -143,7 +143,7 @@ def test_a_mask_whose_rows_are_not_a_multiple_of_8_is_copied_padded_once_per_mem
         kept, _ = masked_attention_bytes(None, side, layers)
         assert kept == layers * (plain + padded)
         # a card that puts cuDNN first (sm90) hands the mask to cuDNN as it is: no copy; cuDNN keeps its seed and
-        # offset for backward instead (an int64 each, a 512 B block each: vlmprobe.estimate.cudnn_attention)
+        # offset for backward instead (an int64 each, a 512 B block each: vlmprobe.estimate.attention_scratch)
         assert masked_attention_bytes(card("h100_80gb"), side, layers)[0] == layers * (plain + 2 * 512)
 
 

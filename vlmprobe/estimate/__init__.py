@@ -12,7 +12,8 @@ Modules:
 - snapshot_replay.py: a recorded CUDA snapshot replayed through the allocator model (scripts/check_allocator.py)
 - autocast_policy.py: CUDA's autocast op lists applied on CPU
 - sdpa_choice.py: the SDPA kernel CUDA would pick, and what it keeps for backward
-- cudnn_attention.py: cuDNN attention's seed, offset and workspaces, on a card that runs it first
+- attention_scratch.py: what CUDA's fused attention kernels allocate for themselves (cuDNN's seed, offset and
+  workspaces; flash's backward accumulators)
 - flash_attn_standin.py: model.attn_implementation=flash_attention_2: flash-attn 2's entry points, allocating
   what its CUDA code allocates, behind transformers' own flash path
 - device_profile.py: the target GPU (conf/device/): capacity, dtypes, kernels, workspaces, context
@@ -43,8 +44,9 @@ Modelling decisions (each one is what CUDA would do, applied on fake CPU tensors
 - Attention: torch's CPU SDPA kernel is a flash kernel that keeps output + logsumexp for backward, as
   CUDA's flash and memory-efficient kernels do (O(seq) state); where CUDA would fall back to the math
   kernel (e.g. fp32 with grouped KV heads), the math kernel runs here too (vlmprobe.estimate.sdpa_choice).
-  Where the card runs cuDNN attention first (sm90), its seed, offset and forward and backward workspaces are made
-  around the same kernel (vlmprobe.estimate.cudnn_attention; the workspace sizes are a recorded H200 run's).
+  Around that kernel, what CUDA's own kernel allocates for itself (vlmprobe.estimate.attention_scratch): where the
+  card runs cuDNN attention first (sm90), its seed, offset and forward and backward workspaces (the workspace sizes
+  are a recorded H200 run's); where flash runs, its backward's softmax_d and fp32 dq_accum (torch's source).
   flash_attention_2 runs transformers' flash path with flash-attn 2's tensors (vlmprobe.estimate.flash_attn_standin).
 - Masks: the models pass no attention mask for unpadded batches, so transformers materialises none (it
   would for fake tensors, taking them for tracing).

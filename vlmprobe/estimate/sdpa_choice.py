@@ -28,8 +28,9 @@ So on a V100 fp16 attention with grouped KV heads (what transformers passes when
 math kernel, as CUDA does there. Without a card: the rules of an sm80+ card with flash first (A100, RTX 30/40).
 cuDNN attention, which torch tries first on sm90 (H100/H20/H200) with a recent cuDNN, keeps what flash keeps for
 backward (output and softmax statistics), so the flash-first order gives the same saved bytes wherever flash or
-memory-efficient would run; where cuDNN runs (vlmprobe.estimate.cudnn_attention.runs), its seed, offset and
-workspaces are made around the fused kernel (cudnn_attention.call). It also takes a mask with grouped KV heads,
+memory-efficient would run; where cuDNN runs (vlmprobe.estimate.attention_scratch.cudnn_runs), its seed, offset
+and workspaces are made around the fused kernel, and where flash runs its backward's accumulators
+(vlmprobe.estimate.attention_scratch). cuDNN also takes a mask with grouped KV heads,
 which here falls to math (transformers passes grouped heads only without a mask). Not modelled: head_dim > 224
 with dropout on sm86/89, dropout masks.
 """
@@ -41,7 +42,7 @@ import contextlib
 import torch
 import torch.nn.functional as F
 
-from vlmprobe.estimate import cudnn_attention
+from vlmprobe.estimate import attention_scratch
 from vlmprobe.estimate.device_profile import DeviceProfile
 
 LOW_PRECISION = (torch.float16, torch.bfloat16)
@@ -131,6 +132,17 @@ def aligned_bias(attn_mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return padded[..., :size]
 
 
+def autocast_casts(tensors, dtype: torch.dtype) -> tuple:
+    """SDPA's inputs as autocast hands them to the kernel, cast here so that the casts come before the kernel's own
+    allocations (vlmprobe.estimate.attention_scratch), as on CUDA. A leaf that requires grad is left to autocast
+    itself, inside the call, while it caches casts: its cast is then the one cached for the whole autocast region."""
+    if not torch.is_autocast_enabled(tensors[0].device.type):
+        return tuple(tensors)
+    cached = torch.is_autocast_cache_enabled()
+    return tuple(t if not t.is_floating_point() or (cached and t.is_leaf and t.requires_grad) else t.to(dtype)
+                 for t in tensors)
+
+
 @contextlib.contextmanager
 def cuda_sdpa_choice(device: DeviceProfile | None = None):
     """While active, F.scaled_dot_product_attention runs torch's math kernel where CUDA would on `device`."""
@@ -150,11 +162,13 @@ def cuda_sdpa_choice(device: DeviceProfile | None = None):
         if kernel != "math":
             kwargs = dict(attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
                           enable_gqa=enable_gqa)
-            if cudnn_attention.runs(device, dtype, query, key, value, dropout_p):
-                # autocast's casts come before cuDNN's own allocations, so they are made here first
-                query, key, value = (t.to(dtype) for t in (query, key, value))
-                return cudnn_attention.call(original, query, key, value, **kwargs)
-            return original(query, key, value, **kwargs)
+            if attention_scratch.cudnn_runs(device, dtype, query, key, value, dropout_p):
+                scratch = attention_scratch.cudnn
+            elif kernel == "flash":
+                scratch = attention_scratch.flash
+            else:
+                return original(query, key, value, **kwargs)
+            return scratch(original, *autocast_casts((query, key, value), dtype), **kwargs)
         # autocast casts SDPA's inputs (lower_precision_fp list) but not the math kernel's: cast as it would
         query, key, value = (t.to(dtype) for t in (query, key, value))
         return torch.ops.aten._scaled_dot_product_attention_math(

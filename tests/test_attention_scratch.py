@@ -1,5 +1,5 @@
-"""cuDNN attention's own allocations on a card that runs it first (vlmprobe.estimate.cudnn_attention), against the
-allocations the H200 run recorded and torch's selection rules."""
+"""What CUDA's fused attention kernels allocate for themselves (vlmprobe.estimate.attention_scratch): cuDNN's against
+the allocations the H200 run recorded and torch's selection rules, flash's against hand counts of torch's mha_bwd."""
 
 import pandas as pd
 import pytest
@@ -8,7 +8,7 @@ import torch.nn.functional as F
 
 from conftest import REPO
 from vlmprobe import backends
-from vlmprobe.estimate import cudnn_attention, device_profile
+from vlmprobe.estimate import attention_scratch, device_profile
 from vlmprobe.estimate.allocator import CachingAllocatorModel
 
 RECORDED = REPO / "results" / "gpu_check" / "nvidia-h200" / "20261128-163858" / "allocator_requests.csv"
@@ -26,13 +26,13 @@ def _recorded(batch: int) -> dict[int, int]:
 ])
 def test_the_backward_workspace_is_what_the_h200_run_asked_for_each_attention(batch, heads, length, size, calls):
     query = torch.empty(batch, heads, length, 64, dtype=torch.bfloat16)
-    assert cudnn_attention.backward_workspace(query) == size
+    assert attention_scratch.cudnn_backward_workspace(query) == size
     assert _recorded(batch)[size] == 2 * calls  # once a layer, in each of the two steps
 
 
 def test_the_forward_workspace_seed_and_offset_are_what_the_run_asked_for_each_attention():
     recorded = _recorded(1)
-    assert recorded[cudnn_attention.FORWARD_WORKSPACE] >= 2 * 42  # 30 + 12 layers, two steps
+    assert recorded[attention_scratch.CUDNN_FORWARD_WORKSPACE] >= 2 * 42  # 30 + 12 layers, two steps
     assert recorded[8] >= 2 * 2 * 42  # a seed and an offset each
 
 
@@ -54,8 +54,8 @@ def card(key):
 def test_cudnn_runs_where_torch_tries_it_first_and_takes_the_inputs(key, dtype, head_dim, key_length, expected):
     q = torch.empty(1, 2, 16, head_dim)
     kv = torch.empty(1, 2, key_length, head_dim)
-    assert cudnn_attention.runs(card(key), dtype, q, kv, kv, 0.0) == expected
-    assert not cudnn_attention.runs(None, dtype, q, kv, kv, 0.0)
+    assert attention_scratch.cudnn_runs(card(key), dtype, q, kv, kv, 0.0) == expected
+    assert not attention_scratch.cudnn_runs(None, dtype, q, kv, kv, 0.0)
 
 
 def _allocations(device):
@@ -86,16 +86,36 @@ def _allocations(device):
     return asked[forward:backward], asked[backward:], kept, left
 
 
+OUT, LSE = 2 * 4 * 64 * 64 * 2, 2 * 4 * 64 * 4  # bf16 output (2 x 4 heads x 64 x 64), fp32 softmax statistics
+
+
 def test_a_cudnn_call_makes_its_seed_offset_and_workspaces_where_cuda_does():
-    out, lse = 2 * 4 * 64 * 64 * 2, 2 * 4 * 64 * 4  # bf16 output, fp32 softmax statistics
     forward, backward, kept, left = _allocations(card("h200"))
     # seed and offset, then the output and statistics, then the 256 B workspace dropped at once
-    assert forward == [8, 8, out, lse, 256]
-    assert kept == 512 + 512 + out + lse  # the seed and offset kept for backward, in 512 B blocks
+    assert forward == [8, 8, OUT, LSE, 256]
+    assert kept == 512 + 512 + OUT + LSE  # the seed and offset kept for backward, in 512 B blocks
     workspace = 4 * 2 * 4 * 64 * 64 + 4 * 2 * 4 * 64 + 256  # dQ in fp32, one fp32 a query row, 256 B
-    plain_forward, plain_backward, plain_kept, plain_left = _allocations(card("rtx3090"))  # flash there: none of it
-    assert plain_forward == [out, lse] and plain_kept == out + lse
-    # the same backward with the workspace right after dQ, dK and dV (then the leaves' gradients)
-    assert backward == [out, out, out, workspace] + plain_backward[3:]
+    # dQ, dK, dV, the workspace, then the leaves' gradients (AccumulateGrad's copies under the tracker)
+    assert backward == [OUT, OUT, OUT, workspace, OUT, OUT, OUT]
     # after backward the seed and offset are gone with the node's saved tensors; the gradients of q, k, v stay
-    assert left == plain_left == 3 * out
+    assert left == 3 * OUT
+
+
+def test_a_flash_call_makes_its_backward_accumulators_after_the_gradients():
+    forward, backward, kept, left = _allocations(card("rtx3090"))  # flash first there
+    assert forward == [OUT, LSE] and kept == OUT + LSE  # nothing of its own in the forward
+    softmax_d = 4 * 2 * 4 * 128  # fp32 (batch, heads, 64 rounded up to 128)
+    dq_accum = 4 * 2 * 128 * 4 * 64  # fp32 (batch, 128, heads, 64 rounded up to 32: 64)
+    assert backward == [OUT, OUT, OUT, softmax_d, dq_accum, OUT, OUT, OUT]
+    assert left == 3 * OUT
+    assert _allocations(None)[:2] == (forward, backward)  # no card: an sm80+ card's rules, flash first
+
+
+def test_flash_with_grouped_kv_heads_also_expands_dk_and_dv_to_every_query_head():
+    query = torch.empty(2, 8, 100, 80, dtype=torch.bfloat16)
+    key = torch.empty(2, 2, 100, 80, dtype=torch.bfloat16)
+    softmax_d, dq_accum, expanded = attention_scratch.flash_backward_scratch(query, key)
+    assert softmax_d == 4 * 2 * 8 * 128  # 100 rounded up to 128
+    assert dq_accum == 4 * 2 * 128 * 8 * 96  # head dim 80 rounded up to 96
+    assert expanded == 2 * 100 * 8 * 80 * 2  # (batch, key length, query heads, head dim) in bf16
+    assert attention_scratch.flash_backward_scratch(query, query)[2] == 0
