@@ -26,7 +26,8 @@ RECORDED = [(path, point) for path in sorted((REPO / "results" / "gpu_check").gl
 # 512 on the H200 (torch 2.11) made them: size (bytes) -> how many times in its two steps. Which kernel makes each is
 # read from the trace's order and sizes against PyTorch's sources, not confirmed on a GPU. Before they were modelled,
 # reductions' staging buffers (vlmprobe.estimate.reduction_staging) were 220 buffers and their 220 semaphores of batch
-# 8's, and cuDNN attention's seeds, offsets and workspaces (vlmprobe.estimate.attention_scratch) 168 + 84 + 84 of each.
+# 8's, cuDNN attention's seeds, offsets and workspaces (vlmprobe.estimate.attention_scratch) 168 + 84 + 84 of each,
+# and the embedding backward's index and partial-sum buffers (vlmprobe.estimate.embedding_backward) 22 of batch 8's.
 KERNEL_SCRATCH = {("nvidia-h200", "data.batch_size=1,data.lm_max_length=512,measure.alloc_conf=null"): {
     4249616: 2, 4249744: 2,  # cuDNN's convolution workspaces (forward, backward): its chosen algorithm's, once a step
     1048576: 1,  # torch 2.11's cuBLASLt workspace, one a process (2.13 shares cuBLAS's: conf/device/h200.yaml)
@@ -35,10 +36,9 @@ KERNEL_SCRATCH = {("nvidia-h200", "data.batch_size=1,data.lm_max_length=512,meas
 }, ("nvidia-h200", "data.batch_size=8,data.lm_max_length=512,measure.alloc_conf=null"): {
     11976720: 4,  # cuDNN's convolution workspaces, forward and backward, this batch's algorithm's
     1048576: 1, 3136: 6,  # cuBLASLt's workspace, the 392 image positions
-    8: 5,  # the one int64 of batch 1, and the embedding backward's segment counts
-    # the embedding backward's sorting path (more than 3072 indices: 4096 tokens here; batch 1's 512 take the direct
-    # kernel): sorted and original int64 indices, cub's temporary storage, segment offsets, per-segment partial sums
-    32768: 16, 83455: 2, 1279: 4, 36040: 2, 10379520: 2,
+    8: 1,  # the one int64 of batch 1
+    83455: 2, 1279: 4,  # cub's temporary storage in the embedding backward's sort, unique-by-key and scan
+    32768: 2,  # two int64 blocks of 8 x 512, not placed
 }}
 
 

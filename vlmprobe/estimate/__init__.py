@@ -6,6 +6,7 @@ Modules:
 - tracker.py: live tensor storages charged through the allocator model
 - gradient_sums.py: the autograd engine's in-place sum of two gradients of one tensor, as on CUDA
 - kernel_copies.py: the contiguous copies CUDA kernels make of their inputs inside an op
+- embedding_backward.py: the index and partial-sum buffers of CUDA's embedding backward when it sorts the ids
 - reduction_staging.py: the staging buffer CUDA's reduction kernel makes where one reduction spans several blocks
 - allocator.py: the CUDA caching allocator model (blocks, segments, reserved, allocator settings, OOM)
 - alloc_conf.py: measure.alloc_conf (PYTORCH_ALLOC_CONF syntax) read by torch's parser rules
@@ -58,6 +59,8 @@ Modelling decisions (each one is what CUDA would do, applied on fake CPU tensors
   does, so the tracker charges the sum into the first's block itself (vlmprobe.estimate.gradient_sums).
 - Kernel copies: the contiguous copies of non-contiguous inputs that CUDA's layer norm (forward and backward) and
   cuDNN's convolution backward make while they run (vlmprobe.estimate.kernel_copies).
+- Embedding backward: above 3072 token ids CUDA's embedding backward sorts them and sums each id's rows through
+  index and fp32 partial-sum buffers sized from the shapes (vlmprobe.estimate.embedding_backward).
 - Reduction staging: with a target card, the buffer and semaphores CUDA's sum and mean kernels allocate where they
   split each output's inputs across thread blocks (bias and norm-weight gradients over many tokens), from the
   kernel's own launch rules and the card's multiprocessors (vlmprobe.estimate.reduction_staging).
@@ -71,9 +74,9 @@ Modelling decisions (each one is what CUDA would do, applied on fake CPU tensors
 Not modelled (the error budget against a CUDA measurement): the CUDA context and NVML-only memory, the cuBLAS
 workspaces of a point with no target card, what the allocator model leaves out (several streams, private pools,
 cudaMallocAsync: see vlmprobe.estimate.allocator; its block rounding is exact for the estimate's own allocation
-sequence, not for CUDA's), and the workspaces kernels make for themselves: cuDNN's convolution workspaces, the
-embedding backward's sorting scratch (more than 3072 tokens),
-index_put_'s positions (the allocations recorded H200 runs made that the estimate does not:
+sequence, not for CUDA's), and the workspaces kernels make for themselves: cuDNN's convolution workspaces, cub's
+temporary storage (the embedding backward's sort), memory-efficient attention's backward workspace, index_put_'s
+positions (the allocations recorded H200 runs made that the estimate does not:
 tests/test_estimate_vs_cuda.py, KERNEL_SCRATCH). Per sample, the estimate charges exactly the saved-tensor families
 that scripts/check_per_sample.py counts by hand (tests/test_per_sample.py, to the byte); on nanoVLM issue #103
 the published run held ~10 MiB (length 128) and ~44 MiB (512) a sample beyond them, which no saved tensor in

@@ -14,7 +14,8 @@ names a side: vlmprobe.distributed.host_memory), else where its inputs are: an o
 (0-dim scalars aside) all live on the host runs on the host, as on CUDA (the optimizer step over offloaded
 partitions); anything else runs on the device.
 What CUDA allocates that no op returns, or returns differently: the contiguous copies a CUDA kernel makes of its
-inputs while it runs (vlmprobe.estimate.kernel_copies), a reduction's staging buffer on the target card
+inputs while it runs (vlmprobe.estimate.kernel_copies), the embedding backward's buffers
+(vlmprobe.estimate.embedding_backward), a reduction's staging buffer on the target card
 (`reduction_card`; vlmprobe.estimate.reduction_staging), and the autograd engine's sum of two gradients of one tensor,
 which CUDA writes into the first and the engine under a dispatch mode never does (vlmprobe.estimate.gradient_sums).
 cuBLAS workspaces (`blas_workspaces`, from the target card's profile): CUDA allocates them through the caching
@@ -38,7 +39,7 @@ from torch._subclasses.fake_tensor import DataDependentOutputException, FakeTens
 from torch._subclasses.fake_tensor import _device_handler as _fake_device
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 
-from vlmprobe.estimate import kernel_copies, reduction_staging
+from vlmprobe.estimate import embedding_backward, kernel_copies, reduction_staging
 from vlmprobe.estimate.alloc_conf import AllocatorSettings
 from vlmprobe.estimate.allocator import CachingAllocatorModel
 from vlmprobe.estimate.gradient_sums import first_summand
@@ -240,7 +241,8 @@ class LiveBytesTracker(TorchDispatchMode):
         if aliases_inputs(func):  # a view (about a quarter of a ZeRO-3 step's ops): nothing new to charge
             return self._call(func, types, args, kwargs)
         summand = first_summand(func, args, kwargs)  # the engine adding a gradient into another in place on CUDA
-        scratch = self._kernel_copies(func, args, kwargs)  # allocated before the op's outputs, as CUDA's kernel does
+        before, after = self._scratch_program(func, args, kwargs)
+        held = self._scratch(before)  # allocated before the op's outputs, as CUDA's kernel does
         try:
             out = self._call(func, types, args, kwargs)
         except DataDependentOutputException:
@@ -260,7 +262,8 @@ class LiveBytesTracker(TorchDispatchMode):
             self._charge_outputs(out, args, kwargs)
         if self._blas_pending and func.overloadpacket in _BLAS_OPS:
             self._blas_workspace(args, kwargs)
-        for handle in scratch:  # the kernel's copies die as it returns, after its outputs are made
+        held += self._scratch(after)  # what the kernel makes once its outputs exist
+        for handle in reversed(held):  # the kernel's buffers die as it returns, the last made first (C++ locals)
             self.free_block(handle)
         if self.reduction_card is not None and func in reduction_staging.REDUCTIONS:
             # after the copies: a convolution's bias sum runs once cuDNN's kernels have returned
@@ -281,14 +284,30 @@ class LiveBytesTracker(TorchDispatchMode):
             if id(storage) not in inputs:
                 self._charge(storage, self._host is not None and self._placed_on_host(args, kwargs))
 
-    def _kernel_copies(self, func, args, kwargs) -> list[int]:
-        """Blocks for the contiguous copies CUDA's kernel of `func` makes of its inputs inside the op
-        (vlmprobe.estimate.kernel_copies); the caller frees them when the op returns. No block for an op on the
-        host (offloaded work runs no CUDA kernel)."""
-        sizes = kernel_copies.copies(func, args)
-        if sizes and (self._host is not None and self._placed_on_host(args, kwargs)):
-            return []
-        return [self.malloc_block(nbytes) for nbytes in sizes]
+    def _scratch_program(self, func, args, kwargs) -> tuple[list, list]:
+        """(before, after) the op's outputs: the blocks CUDA's kernel of `func` makes for itself inside the op, each
+        (bytes, dropped at once); the others die as it returns. They are the contiguous copies of its inputs
+        (vlmprobe.estimate.kernel_copies) and the embedding backward's index and partial-sum buffers
+        (vlmprobe.estimate.embedding_backward). None for an op on the host (offloaded work runs no CUDA kernel)."""
+        before, after = embedding_backward.scratch(func, args)
+        copies = kernel_copies.copies(func, args)
+        if copies:
+            before = before + [(nbytes, False) for nbytes in copies]
+        if (before or after) and self._host is not None and self._placed_on_host(args, kwargs):
+            return [], []
+        return before, after
+
+    def _scratch(self, steps) -> list[int]:
+        """Allocate each (bytes, dropped at once) of `steps` in order, freeing the dropped ones at once; the handles
+        of the others, for the caller to free when the op returns."""
+        held = []
+        for nbytes, dropped in steps:
+            handle = self.malloc_block(nbytes)
+            if dropped:
+                self.free_block(handle)
+            else:
+                held.append(handle)
+        return held
 
     def _reduction_staging(self, func, args, kwargs, out) -> None:
         """The staging buffer and semaphores CUDA's kernel of reduction `func` allocates after its output where one
