@@ -316,9 +316,8 @@ class LiveBytesTracker(TorchDispatchMode):
         buffer, semaphores = reduction_staging.staging(func, args, kwargs, out, self.reduction_card)
         if not buffer or (self._host is not None and self._placed_on_host(args, kwargs)):
             return
-        handles = [self.malloc_block(buffer), self.malloc_block(semaphores)]
-        for handle in reversed(handles):  # the semaphores' DataPtr, declared after the buffer's, is destroyed first
-            self.free_block(handle)
+        for handle in reversed(self._scratch([(buffer, False), (semaphores, False)])):
+            self.free_block(handle)  # the semaphores' DataPtr, declared after the buffer's, is destroyed first
 
     def _add_into(self, summand: torch.Tensor, out: torch.Tensor) -> bool:
         """Charge the engine's gradient sum `out` as CUDA's `summand.add_(...)`: the sum takes over summand's block,
