@@ -27,18 +27,18 @@ RECORDED = [(path, point) for path in sorted((REPO / "results" / "gpu_check").gl
 # read from the trace's order and sizes against PyTorch's sources, not confirmed on a GPU. Before they were modelled,
 # reductions' staging buffers (vlmprobe.estimate.reduction_staging) were 220 buffers and their 220 semaphores of batch
 # 8's, cuDNN attention's seeds, offsets and workspaces (vlmprobe.estimate.attention_scratch) 168 + 84 + 84 of each,
-# and the embedding backward's index and partial-sum buffers (vlmprobe.estimate.embedding_backward) 22 of batch 8's.
+# the embedding backward's index and partial-sum buffers (vlmprobe.estimate.embedding_backward) 22 of batch 8's, and
+# max()'s copy of the positions expanded over the batch and advanced indexing's copies of the image rows
+# (vlmprobe.estimate.kernel_copies) 2 and 6.
 KERNEL_SCRATCH = {("nvidia-h200", "data.batch_size=1,data.lm_max_length=512,measure.alloc_conf=null"): {
     4249616: 2, 4249744: 2,  # cuDNN's convolution workspaces (forward, backward): its chosen algorithm's, once a step
     1048576: 1,  # torch 2.11's cuBLASLt workspace, one a process (2.13 shares cuBLAS's: conf/device/h200.yaml)
-    392: 6,  # the int64 positions of the 49 image tokens that index_put_ and nonzero make
-    8: 1,  # an int64 of the image-token placement (with_images, nonzero: the frames of the trace)
+    8: 1,  # one int64, not placed
 }, ("nvidia-h200", "data.batch_size=8,data.lm_max_length=512,measure.alloc_conf=null"): {
     11976720: 4,  # cuDNN's convolution workspaces, forward and backward, this batch's algorithm's
-    1048576: 1, 3136: 6,  # cuBLASLt's workspace, the 392 image positions
+    1048576: 1,  # cuBLASLt's workspace
     8: 1,  # the one int64 of batch 1
     83455: 2, 1279: 4,  # cub's temporary storage in the embedding backward's sort, unique-by-key and scan
-    32768: 2,  # two int64 blocks of 8 x 512, not placed
 }}
 
 

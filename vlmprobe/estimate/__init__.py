@@ -57,8 +57,9 @@ Modelling decisions (each one is what CUDA would do, applied on fake CPU tensors
 - Gradient sums: where the backward sums two gradients of one tensor (residuals, tied weights), the engine of a
   real run adds the second into the first in place when it holds the last reference; under a dispatch mode it never
   does, so the tracker charges the sum into the first's block itself (vlmprobe.estimate.gradient_sums).
-- Kernel copies: the contiguous copies of non-contiguous inputs that CUDA's layer norm (forward and backward) and
-  cuDNN's convolution backward make while they run (vlmprobe.estimate.kernel_copies).
+- Kernel copies: the contiguous copies of non-contiguous inputs that CUDA's layer norm (forward and backward),
+  cuDNN's convolution backward, a whole tensor's max() / min() and advanced indexing with index tensors of
+  different strides make while they run (vlmprobe.estimate.kernel_copies).
 - Embedding backward: above 3072 token ids CUDA's embedding backward sorts them and sums each id's rows through
   index and fp32 partial-sum buffers sized from the shapes (vlmprobe.estimate.embedding_backward).
 - Reduction staging: with a target card, the buffer and semaphores CUDA's sum and mean kernels allocate where they
@@ -74,10 +75,10 @@ Modelling decisions (each one is what CUDA would do, applied on fake CPU tensors
 Not modelled (the error budget against a CUDA measurement): the CUDA context and NVML-only memory, the cuBLAS
 workspaces of a point with no target card, what the allocator model leaves out (several streams, private pools,
 cudaMallocAsync: see vlmprobe.estimate.allocator; its block rounding is exact for the estimate's own allocation
-sequence, not for CUDA's), and the workspaces kernels make for themselves: cuDNN's convolution workspaces, cub's
-temporary storage (the embedding backward's sort), memory-efficient attention's backward workspace, index_put_'s
-positions (the allocations recorded H200 runs made that the estimate does not:
-tests/test_estimate_vs_cuda.py, KERNEL_SCRATCH). Per sample, the estimate charges exactly the saved-tensor families
+sequence, not for CUDA's), and the workspaces kernels make for themselves: cuDNN's convolution workspaces and cub's
+temporary storage (the embedding backward's sort), which with torch 2.11's cuBLASLt workspace are what recorded H200
+runs made beyond the estimate (tests/test_estimate_vs_cuda.py, KERNEL_SCRATCH), and memory-efficient attention's
+backward workspace. Per sample, the estimate charges exactly the saved-tensor families
 that scripts/check_per_sample.py counts by hand (tests/test_per_sample.py, to the byte); on nanoVLM issue #103
 the published run held ~10 MiB (length 128) and ~44 MiB (512) a sample beyond them, which no saved tensor in
 PyTorch's CUDA kernels we read accounts for, and which an H100 run of the same step does not hold either (README,

@@ -290,9 +290,10 @@ class LiveBytesTracker(TorchDispatchMode):
         (vlmprobe.estimate.kernel_copies) and the embedding backward's index and partial-sum buffers
         (vlmprobe.estimate.embedding_backward). None for an op on the host (offloaded work runs no CUDA kernel)."""
         before, after = embedding_backward.scratch(func, args)
-        copies = kernel_copies.copies(func, args)
-        if copies:
-            before = before + [(nbytes, False) for nbytes in copies]
+        copied_before, copied_after = kernel_copies.copies(func, args)
+        if copied_before or copied_after:
+            before = before + [(nbytes, False) for nbytes in copied_before]
+            after = after + [(nbytes, False) for nbytes in copied_after]
         if (before or after) and self._host is not None and self._placed_on_host(args, kwargs):
             return [], []
         return before, after
