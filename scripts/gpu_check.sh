@@ -18,7 +18,8 @@
 #                       and 8 at 512 with flash attention first (TORCH_CUDNN_SDPA_DEPRIORITIZED=1, the card's profile
 #                       with device.sdpa.default=flash), their requests (allocator_flash_requests.csv) and estimate
 #                       (allocator_flash_vs_estimate): flash's backward scratch as attention_scratch.py reads it from
-#                       torch's source, against the card (cuDNN's workspaces in that trace: the variable was ignored)
+#                       torch's source, against the card (cuDNN's workspaces in that trace: the variable was ignored);
+#                       tests/test_estimate_vs_cuda.py holds the estimate to every <part>_requests.csv committed
 #   7. grpo             the VLM-R1 preset's batch-1 GRPO point (Qwen2.5-VL-3B, 4 x 2048 completion tokens) on
 #                       cuda, SDPA attention (flash-attn is not in the GPU image) and no card profile (this card's
 #                       memory is the capacity), then scripts/check_estimate.py --cuda-dir on it (grpo_vs_estimate)

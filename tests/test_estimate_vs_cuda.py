@@ -18,10 +18,26 @@ TOLERANCE = 0.5  # percent
 # TOLERANCE or the test says to drop it.
 RESERVED_GAPS = {("nvidia-h200", "data.batch_size=16,data.lm_max_length=128"): -0.53}  # two 20 MiB segments
 
-# What each recorded CUDA run asked the allocator for (results/gpu_check/<card>/<stamp>/allocator_requests.csv, from
-# its snapshots by scripts/check_allocator.py --requests-csv), on the default allocator settings
-RECORDED = [(path, point) for path in sorted((REPO / "results" / "gpu_check").glob("*/*/allocator_requests.csv"))
-            for point in sorted(set(pd.read_csv(path)["point_id"])) if point.endswith("measure.alloc_conf=null")]
+
+
+def _recorded() -> list[tuple]:
+    """(requests CSV, point_id, the estimate's overrides) of each point a GPU check recorded on the default allocator
+    settings: what each run asked the allocator for (results/gpu_check/<card>/<stamp>/<part>_requests.csv, from its
+    snapshots by scripts/check_allocator.py --requests-csv), and the command of that part (the env.json of its results
+    dir, <part>/<sweep>/<stamp>/) as an estimate, as scripts/check_estimate.py --cuda-dir makes it."""
+    import json
+
+    found = []
+    for path in sorted((REPO / "results" / "gpu_check").glob("*/*/*_requests.csv")):
+        part = path.name.removesuffix("_requests.csv")
+        (env,) = [json.loads(p.read_text()) for p in path.parent.glob(f"{part}/*/*/env.json")]
+        overrides = load_script("check_estimate").estimate_overrides(env)
+        found += [(path, point_id, overrides) for point_id in sorted(set(pd.read_csv(path)["point_id"]))
+                  if "measure.alloc_conf=" not in point_id or point_id.endswith("measure.alloc_conf=null")]
+    return found
+
+
+RECORDED = _recorded()
 # The allocations a kernel makes for itself that the estimate does not model, as the recorded runs of batch 1 and 8 at
 # 512 on the H200 (torch 2.11) made them: size (bytes) -> how many times in its two steps. Which kernel makes each is
 # read from the trace's order and sizes against PyTorch's sources, not confirmed on a GPU. Before they were modelled,
@@ -74,8 +90,8 @@ def test_a_cuda_run_that_named_no_card_is_estimated_for_the_card_it_ran_on(ran, 
     assert overrides == [*estimated, "measure.backend=estimate"]
 
 
-def _estimate_requests(point_id: str, point, monkeypatch) -> dict[int, int]:
-    """How many times the estimate of that seq_len point for the H200 asks its allocator model for each size."""
+def _estimate_requests(point_id: str, overrides: list[str], plan_points, monkeypatch) -> dict[int, int]:
+    """How many times the estimate of that point of the command `overrides` asks its allocator model for each size."""
     from collections import Counter
 
     from vlmprobe.estimate.allocator import CachingAllocatorModel
@@ -89,21 +105,22 @@ def _estimate_requests(point_id: str, point, monkeypatch) -> dict[int, int]:
         return malloc(self, nbytes)
 
     monkeypatch.setattr(CachingAllocatorModel, "malloc", counted)
-    axes = [f"sweep.axes.{name}=[{value}]" for name, value in (item.split("=") for item in point_id.split(","))
-            if name.startswith("data.")]
-    outputs = measure(point(["+sweep=seq_len", "device=h200", "measure.backend=estimate", *axes]))
+    (planned,) = [p for p in plan_points(overrides) if p.point.id == point_id]
+    outputs = measure(planned.config)
     assert outputs["status"] == "ok", outputs.get("error")
     return asked
 
 
-@pytest.mark.parametrize("recorded, point_id", RECORDED, ids=[f"{p.parents[1].name}/{i}" for p, i in RECORDED])
-def test_the_estimate_asks_for_no_allocation_the_recorded_cuda_run_did_not(recorded, point_id, point, monkeypatch):
+@pytest.mark.parametrize("recorded, point_id, overrides", RECORDED,
+                         ids=[f"{p.parents[1].name}/{p.name.removesuffix('_requests.csv')}/{i}" for p, i, _ in RECORDED])
+def test_the_estimate_asks_for_no_allocation_the_recorded_cuda_run_did_not(recorded, point_id, overrides, plan_points,
+                                                                             monkeypatch):
     """Size by size, the estimate's allocations are among the CUDA run's: each as often or less (what CUDA's kernels
     make for themselves). Before the engine's gradient sums were charged in place the estimate asked for 422 more
     blocks of the LM's residual gradient and a second tied-embedding gradient than the run did."""
     table = pd.read_csv(recorded)
     cuda = dict(table.loc[table["point_id"] == point_id, ["size_bytes", "count"]].itertuples(index=False))
-    estimate = _estimate_requests(point_id, point, monkeypatch)
+    estimate = _estimate_requests(point_id, overrides, plan_points, monkeypatch)
     more = {size: (count, cuda.get(size, 0)) for size, count in estimate.items() if count > cuda.get(size, 0)}
     assert not more, f"sizes the estimate asks for more often than CUDA (estimate, cuda): {more}"
     card = recorded.parents[1].name
