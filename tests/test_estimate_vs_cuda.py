@@ -49,11 +49,11 @@ RECORDED = _recorded()
 KERNEL_SCRATCH = {("nvidia-h200", "data.batch_size=1,data.lm_max_length=512,measure.alloc_conf=null"): {
     4249616: 2, 4249744: 2,  # cuDNN's convolution workspaces (forward, backward): its chosen algorithm's, once a step
     1048576: 1,  # torch 2.11's cuBLASLt workspace, one a process (2.13 shares cuBLAS's: conf/device/h200.yaml)
-    8: 1,  # one int64, not placed
+    8: 1,  # an 8 B block of the build: the frames say LM.__init__'s rotary inv_freq (arange, pow), not placed further
 }, ("nvidia-h200", "data.batch_size=8,data.lm_max_length=512,measure.alloc_conf=null"): {
     11976720: 4,  # cuDNN's convolution workspaces, forward and backward, this batch's algorithm's
     1048576: 1,  # cuBLASLt's workspace
-    8: 1,  # the one int64 of batch 1
+    8: 1,  # the same 8 B block of the build as batch 1's
     83455: 2, 1279: 4,  # cub's temporary storage in the embedding backward's sort, unique-by-key and scan
 }}
 
