@@ -174,6 +174,46 @@ def point(plan_points):
     return _point
 
 
+@pytest.fixture
+def allocator_events(monkeypatch):
+    """Every request and free of the allocator model (vlmprobe.estimate.allocator) while the test runs, in order:
+    "+BYTES" for a request, "-BYTES" for the free of a block requested with BYTES."""
+    from vlmprobe.estimate.allocator import CachingAllocatorModel
+
+    events, live = [], {}
+    malloc, free = CachingAllocatorModel.malloc, CachingAllocatorModel.free
+
+    def recorded_malloc(self, nbytes):
+        handle = malloc(self, nbytes)
+        live[handle] = nbytes  # handles are reused once freed
+        events.append(f"+{nbytes}")
+        return handle
+
+    def recorded_free(self, handle):
+        events.append(f"-{live.pop(handle)}")
+        return free(self, handle)
+
+    monkeypatch.setattr(CachingAllocatorModel, "malloc", recorded_malloc)
+    monkeypatch.setattr(CachingAllocatorModel, "free", recorded_free)
+    return events
+
+
+def requested(events: list[str]) -> list[int]:
+    """The sizes of the requests among allocator_events, in order."""
+    return [int(event[1:]) for event in events if event[0] == "+"]
+
+
+def h200_requests(batch_size: int) -> dict[int, int]:
+    """size (bytes) -> how many times the recorded H200 run of nanoVLM-222M at `batch_size`, length 512, default
+    allocator settings, asked the allocator for it in its two steps (results/gpu_check/nvidia-h200/20261128-163858/
+    allocator_requests.csv)."""
+    import pandas as pd
+
+    table = pd.read_csv(REPO / "results" / "gpu_check" / "nvidia-h200" / "20261128-163858" / "allocator_requests.csv")
+    point = f"data.batch_size={batch_size},data.lm_max_length=512,measure.alloc_conf=null"
+    return dict(table.loc[table["point_id"] == point, ["size_bytes", "count"]].itertuples(index=False))
+
+
 def run_cli(args, cwd, env_extra=None, timeout=600):
     """`python -m vlmprobe ARGS` in a subprocess, as a user runs it."""
     env = {**os.environ, **(env_extra or {})}

@@ -1,24 +1,14 @@
 """What CUDA's fused attention kernels allocate for themselves (vlmprobe.estimate.attention_scratch): cuDNN's against
 the allocations the H200 run recorded and torch's selection rules, flash's against hand counts of torch's mha_bwd."""
 
-import pandas as pd
 import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import REPO
+from conftest import h200_requests, requested
 from vlmprobe import backends
 from vlmprobe.estimate import attention_scratch, device_profile
-from vlmprobe.estimate.allocator import CachingAllocatorModel
-
-RECORDED = REPO / "results" / "gpu_check" / "nvidia-h200" / "20261128-163858" / "allocator_requests.csv"
-POINT = "data.batch_size={},data.lm_max_length=512,measure.alloc_conf=null"
-
-
-def _recorded(batch: int) -> dict[int, int]:
-    table = pd.read_csv(RECORDED)
-    return dict(table.loc[table["point_id"] == POINT.format(batch), ["size_bytes", "count"]].itertuples(index=False))
-
+from vlmprobe.estimate.sdpa_choice import cudnn_runs
 
 @pytest.mark.parametrize("batch, heads, length, size, calls", [
     (1, 9, 512, 1_198_336, 30), (1, 12, 196, 611_776, 12),  # the LM's 30 layers, the ViT's 12, at batch 1
@@ -27,11 +17,11 @@ def _recorded(batch: int) -> dict[int, int]:
 def test_the_backward_workspace_is_what_the_h200_run_asked_for_each_attention(batch, heads, length, size, calls):
     query = torch.empty(batch, heads, length, 64, dtype=torch.bfloat16)
     assert attention_scratch.cudnn_backward_workspace(query) == size
-    assert _recorded(batch)[size] == 2 * calls  # once a layer, in each of the two steps
+    assert h200_requests(batch)[size] == 2 * calls  # once a layer, in each of the two steps
 
 
 def test_the_forward_workspace_seed_and_offset_are_what_the_run_asked_for_each_attention():
-    recorded = _recorded(1)
+    recorded = h200_requests(1)
     assert recorded[attention_scratch.CUDNN_FORWARD_WORKSPACE] >= 2 * 42  # 30 + 12 layers, two steps
     assert recorded[8] >= 2 * 2 * 42  # a seed and an offset each
 
@@ -54,43 +44,34 @@ def card(key):
 def test_cudnn_runs_where_torch_tries_it_first_and_takes_the_inputs(key, dtype, head_dim, key_length, expected):
     q = torch.empty(1, 2, 16, head_dim)
     kv = torch.empty(1, 2, key_length, head_dim)
-    assert attention_scratch.cudnn_runs(card(key), dtype, q, kv, kv, 0.0) == expected
-    assert not attention_scratch.cudnn_runs(None, dtype, q, kv, kv, 0.0)
+    assert cudnn_runs(card(key), dtype, q, kv, kv, 0.0) == expected
+    assert not cudnn_runs(None, dtype, q, kv, kv, 0.0)
 
 
-def _allocations(device):
-    """The allocator model's requests of one bf16 attention (2 x 4 heads x 64 x 64) and its backward, on `device`."""
-    asked = []
-    malloc = CachingAllocatorModel.malloc
-
-    def counted(self, nbytes):
-        asked.append(nbytes)
-        return malloc(self, nbytes)
-
+def _allocations(device, events):
+    """The allocator model's requests of one bf16 attention (2 x 4 heads x 64 x 64) and its backward, on `device`
+    (`events`: the allocator_events fixture)."""
     estimate = backends.get("estimate")
-    CachingAllocatorModel.malloc = counted
-    try:
-        with estimate.session(None, device=device) as meter:
-            q, k, v = (torch.empty(2, 4, 64, 64, dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
-            grad = torch.empty(2, 4, 64, 64, dtype=torch.bfloat16)
-            before = meter.current()
-            forward = len(asked)
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-            kept = meter.current() - before
-            backward = len(asked)
-            out.backward(grad)
-            del out
-            left = meter.current() - before
-    finally:
-        CachingAllocatorModel.malloc = malloc
-    return asked[forward:backward], asked[backward:], kept, left
+    with estimate.session(None, device=device) as meter:
+        q, k, v = (torch.empty(2, 4, 64, 64, dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+        grad = torch.empty(2, 4, 64, 64, dtype=torch.bfloat16)
+        before = meter.current()
+        forward = len(events)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        kept = meter.current() - before
+        backward = len(events)
+        out.backward(grad)
+        del out
+        left = meter.current() - before
+        end = len(events)
+    return requested(events[forward:backward]), requested(events[backward:end]), kept, left
 
 
 OUT, LSE = 2 * 4 * 64 * 64 * 2, 2 * 4 * 64 * 4  # bf16 output (2 x 4 heads x 64 x 64), fp32 softmax statistics
 
 
-def test_a_cudnn_call_makes_its_seed_offset_and_workspaces_where_cuda_does():
-    forward, backward, kept, left = _allocations(card("h200"))
+def test_a_cudnn_call_makes_its_seed_offset_and_workspaces_where_cuda_does(allocator_events):
+    forward, backward, kept, left = _allocations(card("h200"), allocator_events)
     # seed and offset, then the output and statistics, then the 256 B workspace dropped at once
     assert forward == [8, 8, OUT, LSE, 256]
     assert kept == 512 + 512 + OUT + LSE  # the seed and offset kept for backward, in 512 B blocks
@@ -101,14 +82,14 @@ def test_a_cudnn_call_makes_its_seed_offset_and_workspaces_where_cuda_does():
     assert left == 3 * OUT
 
 
-def test_a_flash_call_makes_its_backward_accumulators_after_the_gradients():
-    forward, backward, kept, left = _allocations(card("rtx3090"))  # flash first there
+def test_a_flash_call_makes_its_backward_accumulators_after_the_gradients(allocator_events):
+    forward, backward, kept, left = _allocations(card("rtx3090"), allocator_events)  # flash first there
     assert forward == [OUT, LSE] and kept == OUT + LSE  # nothing of its own in the forward
     softmax_d = 4 * 2 * 4 * 128  # fp32 (batch, heads, 64 rounded up to 128)
     dq_accum = 4 * 2 * 128 * 4 * 64  # fp32 (batch, 128, heads, 64 rounded up to 32: 64)
     assert backward == [OUT, OUT, OUT, softmax_d, dq_accum, OUT, OUT, OUT]
     assert left == 3 * OUT
-    assert _allocations(None)[:2] == (forward, backward)  # no card: an sm80+ card's rules, flash first
+    assert _allocations(None, allocator_events)[:2] == (forward, backward)  # no card: an sm80+ card's rules, flash first
 
 
 def test_flash_with_grouped_kv_heads_also_expands_dk_and_dv_to_every_query_head():

@@ -1,16 +1,13 @@
 """The embedding backward's index and partial-sum buffers on CUDA's sorting path (vlmprobe.estimate.embedding_backward),
 against the allocations the H200 run recorded and hand counts of EmbeddingBackwardKernel.cu's sizes."""
 
-import pandas as pd
 import torch
 
-from conftest import REPO
-from vlmprobe.estimate.allocator import CachingAllocatorModel
+from conftest import h200_requests
 from vlmprobe.estimate.embedding_backward import scratch
 from vlmprobe.estimate.tracker import LiveBytesTracker
 
 BACKWARD = torch.ops.aten.embedding_dense_backward.default
-RECORDED = REPO / "results" / "gpu_check" / "nvidia-h200" / "20261128-163858" / "allocator_requests.csv"
 
 
 def _program(ids: int, features: int, vocab: int, dtype=torch.float32, scale_grad_by_freq=False):
@@ -26,9 +23,7 @@ def test_nanovlm_at_batch_8_length_512_makes_the_blocks_the_h200_run_made():
     assert after == [(index, False), (8, False), (index, True), (index, False), (index, False), (8, False),
                      (partial_segments * 8, False), (partial_segments * 576 * 4, True)]
     assert partial_segments * 576 * 4 == 10_379_520 and partial_segments * 8 == 36_040
-    table = pd.read_csv(RECORDED)
-    recorded = dict(table.loc[table["point_id"] == "data.batch_size=8,data.lm_max_length=512,measure.alloc_conf=null",
-                              ["size_bytes", "count"]].itertuples(index=False))
+    recorded = h200_requests(8)
     assert recorded[10_379_520] == 2 and recorded[36_040] == 2  # one of each a step
 
 
@@ -46,32 +41,12 @@ def test_a_small_vocabulary_caps_the_segments_and_16_bit_gradients_are_summed_in
     assert after[7] == (partial_segments * 64 * 4, True)
 
 
-def test_the_tracker_makes_them_around_the_gradient_and_frees_them_last_made_first(monkeypatch):
-    events = []
-    malloc, free = CachingAllocatorModel.malloc, CachingAllocatorModel.free
-
-    def counted_malloc(self, nbytes):
-        handle = malloc(self, nbytes)
-        events.append(("alloc", nbytes, handle))
-        return handle
-
-    def counted_free(self, handle):
-        events.append(("free", handle))
-        return free(self, handle)
-
-    monkeypatch.setattr(CachingAllocatorModel, "malloc", counted_malloc)
-    monkeypatch.setattr(CachingAllocatorModel, "free", counted_free)
+def test_the_tracker_makes_them_around_the_gradient_and_frees_them_last_made_first(allocator_events):
     grad = torch.empty(4000, 8)
     ids = torch.zeros(4000, dtype=torch.int64)
     with LiveBytesTracker():
         weight_grad = BACKWARD(grad, ids, 50, -1, False)
-    live, sequence = {}, []
-    for event in events:  # "+bytes" for an allocation, "-bytes" for a free (handles are reused)
-        if event[0] == "alloc":
-            live[event[2]] = event[1]
-            sequence.append(f"+{event[1]}")
-        else:
-            sequence.append(f"-{live.pop(event[1])}")
+    sequence = allocator_events  # "+bytes" a request, "-bytes" a free
     index, partial = 4000 * 8, 4000 // 10 + 50
     assert sequence[:13] == [
         f"+{index}", f"+{index}", f"+{index}", f"-{index}",  # sorted, original positions, 0..n-1 dropped

@@ -8,7 +8,7 @@ measurement of what the estimate runs today, and is skipped with that reason."""
 import pandas as pd
 import pytest
 
-from conftest import REPO, load_script
+from conftest import REPO, load_script, requested
 from vlmprobe.results import gpu_check_runs, superseded
 
 CUDA_RUNS = gpu_check_runs(REPO / "results" / "gpu_check") + gpu_check_runs(REPO / "results" / "gpu_check", part="allocator")
@@ -90,37 +90,29 @@ def test_a_cuda_run_that_named_no_card_is_estimated_for_the_card_it_ran_on(ran, 
     assert overrides == [*estimated, "measure.backend=estimate"]
 
 
-def _estimate_requests(point_id: str, overrides: list[str], plan_points, monkeypatch) -> dict[int, int]:
-    """How many times the estimate of that point of the command `overrides` asks its allocator model for each size."""
+def _estimate_requests(point_id: str, overrides: list[str], plan_points, events: list[str]) -> dict[int, int]:
+    """How many times the estimate of that point of the command `overrides` asks its allocator model for each size
+    (`events`: the allocator_events fixture)."""
     from collections import Counter
 
-    from vlmprobe.estimate.allocator import CachingAllocatorModel
     from vlmprobe.worker import measure
 
-    asked = Counter()
-    malloc = CachingAllocatorModel.malloc
-
-    def counted(self, nbytes):
-        asked[nbytes] += 1
-        return malloc(self, nbytes)
-
-    monkeypatch.setattr(CachingAllocatorModel, "malloc", counted)
     (planned,) = [p for p in plan_points(overrides) if p.point.id == point_id]
     outputs = measure(planned.config)
     assert outputs["status"] == "ok", outputs.get("error")
-    return asked
+    return Counter(requested(events))
 
 
 @pytest.mark.parametrize("recorded, point_id, overrides", RECORDED,
                          ids=[f"{p.parents[1].name}/{p.name.removesuffix('_requests.csv')}/{i}" for p, i, _ in RECORDED])
 def test_the_estimate_asks_for_no_allocation_the_recorded_cuda_run_did_not(recorded, point_id, overrides, plan_points,
-                                                                             monkeypatch):
+                                                                             allocator_events):
     """Size by size, the estimate's allocations are among the CUDA run's: each as often or less (what CUDA's kernels
     make for themselves). Before the engine's gradient sums were charged in place the estimate asked for 422 more
     blocks of the LM's residual gradient and a second tied-embedding gradient than the run did."""
     table = pd.read_csv(recorded)
     cuda = dict(table.loc[table["point_id"] == point_id, ["size_bytes", "count"]].itertuples(index=False))
-    estimate = _estimate_requests(point_id, overrides, plan_points, monkeypatch)
+    estimate = _estimate_requests(point_id, overrides, plan_points, allocator_events)
     more = {size: (count, cuda.get(size, 0)) for size, count in estimate.items() if count > cuda.get(size, 0)}
     assert not more, f"sizes the estimate asks for more often than CUDA (estimate, cuda): {more}"
     card = recorded.parents[1].name

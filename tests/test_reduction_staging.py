@@ -2,11 +2,10 @@
 (vlmprobe.estimate.reduction_staging), against the allocations a recorded H200 run made and hand counts of
 Reduce.cuh's setReduceConfig."""
 
-import pandas as pd
 import pytest
 import torch
 
-from conftest import REPO
+from conftest import REPO, h200_requests, requested
 from vlmprobe.estimate import device_profile
 from vlmprobe.estimate.reduction_staging import Card, iterator, staging
 from vlmprobe.estimate.tracker import LiveBytesTracker
@@ -14,19 +13,11 @@ from vlmprobe.estimate.tracker import LiveBytesTracker
 aten = torch.ops.aten
 H200 = Card(multiprocessors=132, max_threads_per_multiprocessor=2048)
 RTX3090 = Card(multiprocessors=82, max_threads_per_multiprocessor=1536)
-# What the H200 run of nanoVLM-222M at batch 8, length 512 asked the allocator for (two steps), by size
-RECORDED = REPO / "results" / "gpu_check" / "nvidia-h200" / "20261128-163858" / "allocator_requests.csv"
-B8_512 = "data.batch_size=8,data.lm_max_length=512,measure.alloc_conf=null"
 
 
 def _sum(x: torch.Tensor, dims, keepdim=False, card=H200):
     out = aten.sum.dim_IntList(x, dims, keepdim)
     return staging(aten.sum.dim_IntList, (x, dims, keepdim), {}, out, card)
-
-
-def _recorded_counts() -> dict[int, int]:
-    table = pd.read_csv(RECORDED)
-    return dict(table.loc[table["point_id"] == B8_512, ["size_bytes", "count"]].itertuples(index=False))
 
 
 TOKENS, PATCHES = 8 * 512, 8 * 196  # the LM's and the ViT's rows at batch 8, length 512
@@ -48,7 +39,7 @@ def test_each_staging_buffer_the_h200_run_made_is_the_kernels_config_for_that_re
     # of blocks (144 / 32) against 132 SMs x 16 blocks: min(423, 1024 / 16 = 64) = 64 blocks an output;
     # buffer 4 B x 576 x 64 x (32 x 4), semaphores 4 B x 5
     assert _sum(torch.empty(shape, dtype=dtype), [0]) == (buffer, semaphores)
-    recorded = _recorded_counts()
+    recorded = h200_requests(8)  # what the H200 run at batch 8, length 512 asked for
     assert recorded[buffer] >= 2 * per_step and recorded[semaphores] >= 2 * per_step  # made in both steps
 
 
@@ -125,18 +116,8 @@ def test_tensor_iterator_puts_the_reduced_dimensions_first_and_merges_what_steps
 
 
 def test_the_tracker_allocates_the_buffer_and_semaphores_after_the_output_and_frees_them_as_the_op_returns(
-        monkeypatch):
-    from vlmprobe.estimate.allocator import CachingAllocatorModel
-
+        allocator_events):
     grad = torch.empty(PATCHES, 768, dtype=torch.bfloat16)
-    asked = []
-    malloc = CachingAllocatorModel.malloc
-
-    def counted(self, nbytes):
-        asked.append(nbytes)
-        return malloc(self, nbytes)
-
-    monkeypatch.setattr(CachingAllocatorModel, "malloc", counted)
     with LiveBytesTracker(reduction_card=H200) as t:
         bias_grad = grad.sum(0)
         # the output (1536 B), the buffer and the semaphores (24 B, a 512 B block) live at once; then the output
@@ -144,7 +125,7 @@ def test_the_tracker_allocates_the_buffer_and_semaphores_after_the_output_and_fr
     with LiveBytesTracker() as bare:  # no card: no staging
         grad.sum(0)
         assert bare.peak == 1536
-    assert asked == [1536, 9_830_400, 24, 1536]
+    assert requested(allocator_events) == [1536, 9_830_400, 24, 1536]
     assert bias_grad.shape == (768,)
 
 

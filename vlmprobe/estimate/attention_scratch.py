@@ -4,10 +4,8 @@ The estimate runs torch's CPU flash kernel wherever CUDA would run a fused one (
 keeps what CUDA's flash, memory-efficient and cuDNN kernels keep (output and softmax statistics), but a fake kernel
 allocates nothing inside the op. This module makes, around that kernel, the blocks CUDA's own kernels make.
 
-cuDNN attention (`cudnn_runs`, `cudnn`), which torch tries first on sm90 (conf/device/h200.yaml, `sdpa.default:
-cudnn`) for fp16/bf16 inputs whose head dims it takes (aten/src/ATen/native/transformers/cuda/sdp_utils.cpp,
-check_cudnn_tensor_shapes: multiples of 8, at most 256 on sm90 with cuDNN 9.10 or later, 128 elsewhere; a key/value
-length above 1):
+cuDNN attention (`cudnn`), where torch runs it (vlmprobe.estimate.sdpa_choice.cudnn_runs: first on sm90, for the
+fp16/bf16 inputs whose head dims it takes):
 - forward: a random seed and offset, one int64 each on the device, made before the output
   (_scaled_dot_product_cudnn_attention_cuda) and saved for backward; and the cuDNN graph's workspace, allocated
   through the caching allocator after the output and freed as the op returns (MHA.cpp, run_cudnn_SDP_fprop);
@@ -33,23 +31,12 @@ accumulators, sized by the kernel's tile configuration), `deterministic` flash (
 
 from __future__ import annotations
 
+import math
+
 import torch
 
-LOW_PRECISION = (torch.float16, torch.bfloat16)
 CUDNN_FORWARD_WORKSPACE = 256  # bytes cuDNN's forward graph asked for in the recorded run
 CUDNN_ENGINE_EXTRA = 256  # bytes cuDNN's backward engine asked for beyond one fp32 a query row, in the recorded run
-
-
-def cudnn_runs(device, dtype: torch.dtype, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-               dropout_p: float) -> bool:
-    """torch runs cuDNN attention for this call on `device` (a DeviceProfile, or None: no card, no cuDNN first)."""
-    if device is None or device.sdpa["default"] != "cudnn" or dtype not in LOW_PRECISION:
-        return False
-    head_dim_limit = 256 if device.compute_capability == (9, 0) else 128
-    d_qk, d_v = query.shape[-1], value.shape[-1]
-    if d_qk > head_dim_limit or d_v > head_dim_limit or d_qk % 8 or d_v % 8:
-        return False
-    return key.shape[-2] != 1 and not (query.shape[-2] == 1 and dropout_p)
 
 
 def cudnn_backward_workspace(query: torch.Tensor) -> int:
@@ -59,17 +46,24 @@ def cudnn_backward_workspace(query: torch.Tensor) -> int:
     return 4 * rows * head_dim + 4 * rows + CUDNN_ENGINE_EXTRA  # dQ in fp32, then the engine's part
 
 
-def _round(x: int, m: int) -> int:
+def round_up(x: int, m: int) -> int:
     return -(-x // m) * m
+
+
+def flash_backward_shapes(batch: int, length: int, heads: int, head_dim: int,
+                          head_multiple: int = 32) -> tuple[tuple, tuple]:
+    """(softmax_d, dq_accum) shapes, both fp32, of FlashAttention 2's mha_bwd for a dense (batch, length, heads,
+    head_dim) query: the length rounded up to 128, the head dim to `head_multiple` (torch's bundled copy: 32;
+    flash-attn 2.8: 64 above 128, vlmprobe.estimate.flash_attn_standin)."""
+    length_rounded = round_up(length, 128)
+    return (batch, heads, length_rounded), (batch, length_rounded, heads, round_up(head_dim, head_multiple))
 
 
 def flash_backward_scratch(query: torch.Tensor, key: torch.Tensor) -> tuple[int, int, int]:
     """Bytes of flash's backward softmax_d, dq_accum, and of each expanded dK / dV (0 without grouped KV heads), for
     (batch, heads, length, head dim) query and key."""
     batch, heads, length, head_dim = query.shape
-    length_rounded = _round(length, 128)
-    softmax_d = 4 * batch * heads * length_rounded
-    dq_accum = 4 * batch * length_rounded * heads * _round(head_dim, 32)
+    softmax_d, dq_accum = (4 * math.prod(shape) for shape in flash_backward_shapes(batch, length, heads, head_dim))
     expanded = 0 if key.shape[-3] == heads else batch * key.shape[-2] * heads * head_dim * key.element_size()
     return softmax_d, dq_accum, expanded
 

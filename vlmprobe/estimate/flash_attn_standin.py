@@ -31,11 +31,9 @@ import sys
 import torch
 import torch.nn.functional as F
 
+from vlmprobe.estimate.attention_scratch import flash_backward_shapes, round_up
+
 IMPLEMENTATION = "flash_attention_2"
-
-
-def _round(x: int, m: int) -> int:
-    return (x + m - 1) // m * m
 
 
 def _contiguous_last(x: torch.Tensor) -> torch.Tensor:
@@ -110,11 +108,11 @@ class _FlashAttn(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, _softmax_lse, _rng_state = ctx.saved_tensors
-        head_size_rounded = _round(q.shape[-1], 32 if q.shape[-1] <= 128 else 64)
+        head_multiple = 32 if q.shape[-1] <= 128 else 64
+        head_size_rounded = round_up(q.shape[-1], head_multiple)
         if ctx.varlen is None:
             batch, seqlen, heads = q.shape[:3]
-            softmax_d_shape = (batch, heads, _round(seqlen, 128))
-            dq_accum_shape = (batch, _round(seqlen, 128), heads, head_size_rounded)
+            softmax_d_shape, dq_accum_shape = flash_backward_shapes(batch, seqlen, heads, q.shape[-1], head_multiple)
         else:
             batch, _ = ctx.varlen
             total, heads = q.shape[:2]

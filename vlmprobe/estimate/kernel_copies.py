@@ -27,7 +27,10 @@ order: copies, outputs, then the copies freed.
 
 from __future__ import annotations
 
+import math
+
 import torch
+from torch._prims_common import make_contiguous_strides_for
 
 # op -> argument positions of the tensors its CUDA kernel makes contiguous
 _CONTIGUOUS_INPUTS = {
@@ -73,11 +76,8 @@ def _index_copies(indices) -> list[int]:
     strides = [_broadcast_strides(t, shape) for t in tensors]
     if all(s == strides[0] for s in strides):
         return []
-    contiguous = _contiguous_strides(shape)
-    numel = 1
-    for size in shape:
-        numel *= size
-    return [numel * t.element_size() for t, s in zip(tensors, strides)
+    contiguous = make_contiguous_strides_for(shape)
+    return [math.prod(shape) * t.element_size() for t, s in zip(tensors, strides)
             if any(n > 1 and a != b for n, a, b in zip(shape, s, contiguous))]
 
 
@@ -87,13 +87,6 @@ def _broadcast_strides(tensor: torch.Tensor, shape) -> tuple[int, ...]:
     return tuple(0 if d < lead or tensor.shape[d - lead] == 1 < shape[d] else tensor.stride(d - lead)
                  for d in range(len(shape)))
 
-
-def _contiguous_strides(shape) -> tuple[int, ...]:
-    strides, step = [], 1
-    for size in reversed(shape):
-        strides.append(step)
-        step *= size
-    return tuple(reversed(strides))
 
 
 def _copies(positions, args) -> list[int]:

@@ -28,7 +28,7 @@ So on a V100 fp16 attention with grouped KV heads (what transformers passes when
 math kernel, as CUDA does there. Without a card: the rules of an sm80+ card with flash first (A100, RTX 30/40).
 cuDNN attention, which torch tries first on sm90 (H100/H20/H200) with a recent cuDNN, keeps what flash keeps for
 backward (output and softmax statistics), so the flash-first order gives the same saved bytes wherever flash or
-memory-efficient would run; where cuDNN runs (vlmprobe.estimate.attention_scratch.cudnn_runs), its seed, offset
+memory-efficient would run; where cuDNN runs (cudnn_runs), its seed, offset
 and workspaces are made around the fused kernel, and where flash runs its backward's accumulators
 (vlmprobe.estimate.attention_scratch). cuDNN also takes a mask with grouped KV heads,
 which here falls to math (transformers passes grouped heads only without a mask). Not modelled: head_dim > 224
@@ -112,6 +112,20 @@ def cudnn_first(device: DeviceProfile | None, dtype: torch.dtype) -> bool:
     return device is not None and device.sdpa["default"] == "cudnn" and dtype in LOW_PRECISION
 
 
+def cudnn_runs(device: DeviceProfile | None, dtype: torch.dtype, query: torch.Tensor, key: torch.Tensor,
+               value: torch.Tensor, dropout_p: float) -> bool:
+    """torch runs cuDNN attention for this call on `device`: the card tries it first (cudnn_first) and cuDNN takes
+    the inputs (sdp_utils.cpp, check_cudnn_tensor_shapes: head dims multiples of 8, at most 256 on sm90 with cuDNN
+    9.10 or later, 128 elsewhere; a key/value length above 1; a query length of 1 only without dropout)."""
+    if not cudnn_first(device, dtype):
+        return False
+    head_dim_limit = 256 if device.compute_capability == (9, 0) else 128
+    d_qk, d_v = query.shape[-1], value.shape[-1]
+    if d_qk > head_dim_limit or d_v > head_dim_limit or d_qk % 8 or d_v % 8:
+        return False
+    return key.shape[-2] != 1 and not (query.shape[-2] == 1 and dropout_p)
+
+
 def aligned_bias(attn_mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """The mask CUDA's memory-efficient kernel gets for `attn_mask` (in this order): under autocast a floating mask
     in the autocast dtype (`dtype`; autocast casts SDPA's floating arguments before the kernel sees them, so the
@@ -162,7 +176,7 @@ def cuda_sdpa_choice(device: DeviceProfile | None = None):
         if kernel != "math":
             kwargs = dict(attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
                           enable_gqa=enable_gqa)
-            if attention_scratch.cudnn_runs(device, dtype, query, key, value, dropout_p):
+            if cudnn_runs(device, dtype, query, key, value, dropout_p):
                 scratch = attention_scratch.cudnn
             elif kernel == "flash":
                 scratch = attention_scratch.flash
