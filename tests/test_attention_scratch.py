@@ -40,6 +40,9 @@ def card(key):
     ("h100_80gb", torch.bfloat16, 128, 512, True),
     ("rtx3090", torch.bfloat16, 64, 512, False),  # torch tries flash first there
     ("a100_80gb", torch.bfloat16, 64, 512, False),
+    ("b200", torch.bfloat16, 128, 512, True),  # sm100 tries cuDNN first too
+    ("b200", torch.bfloat16, 256, 512, False),  # ... with head dims up to 128 only
+    ("rtx5090", torch.bfloat16, 64, 512, False),  # sm120 tries flash first
 ])
 def test_cudnn_runs_where_torch_tries_it_first_and_takes_the_inputs(key, dtype, head_dim, key_length, expected):
     q = torch.empty(1, 2, 16, head_dim)

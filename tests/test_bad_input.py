@@ -94,7 +94,8 @@ BAD_INPUT = {
     "unknown backend": (["measure.backend=tpu"], "measure.backend='tpu' is not allowed: use one of auto, cuda, cpu, estimate"),
     # the target card (issue 12): an unknown one names the profiles; what the card cannot do is refused
     "unknown device": (["device=rtx9090"], "device='rtx9090' is not allowed: use one of a100_40gb, a100_80gb, "
-                                           "h100_80gb, h20, h200, l40s, none, rtx3090, rtx4090, v100_32gb"),
+                                           "a10g, b200, h100_80gb, h20, h200, l4, l40s, none, rtx3090, rtx4090, "
+                                           "rtx5090, rtx_a6000, t4, v100_32gb"),
     "unknown device as an axis": (["+sweep=smoke", "+sweep.axes.device=[rtx3090,tpu]"],
                                   "device='tpu' is not allowed: use one of a100_40gb"),
     "bf16 on a card without it": (["model=nanovlm_tiny", "device=v100_32gb"],

@@ -11,15 +11,19 @@ from vlmprobe.errors import ConfigError
 MiB, GiB = 2**20, 2**30
 PROFILES = sorted(p.stem for p in (CONF / "device").glob("*.yaml") if p.stem != "none")
 # The memory each card is sold with (NVIDIA's spec sheets): CUDA reports less, the driver keeps some for itself
-# (and ECC on the L40S), but never more, and not less than 90% of it.
+# (and ECC on the L40S), but never more, and not less than 90% of it. The B200's HBM3e is 8 stacks of 24 GiB
+# (HGX B200 sells 180 GB of it a GPU, below what CUDA reports: 178.35 GiB).
 NOMINAL = {"rtx3090": 24 * GiB, "rtx4090": 24 * GiB, "l40s": 48 * GiB, "v100_32gb": 32 * GiB, "a100_40gb": 40 * GiB,
-           "a100_80gb": 80 * GiB, "h100_80gb": 80 * GiB, "h20": 96 * GiB, "h200": 141 * GiB}
+           "a100_80gb": 80 * GiB, "h100_80gb": 80 * GiB, "h20": 96 * GiB, "h200": 141 * GiB, "t4": 16 * GiB,
+           "a10g": 24 * GiB, "l4": 24 * GiB, "rtx_a6000": 48 * GiB, "rtx5090": 32 * GiB, "b200": 192 * GiB}
 SM = {"rtx3090": (8, 6), "rtx4090": (8, 9), "l40s": (8, 9), "v100_32gb": (7, 0), "a100_40gb": (8, 0),
-      "a100_80gb": (8, 0), "h100_80gb": (9, 0), "h20": (9, 0), "h200": (9, 0)}  # NVIDIA's CUDA GPUs list
+      "a100_80gb": (8, 0), "h100_80gb": (9, 0), "h20": (9, 0), "h200": (9, 0), "t4": (7, 5), "a10g": (8, 6),
+      "l4": (8, 9), "rtx_a6000": (8, 6), "rtx5090": (12, 0), "b200": (10, 0)}  # NVIDIA's CUDA GPUs list
+ISSUE_12 = {"rtx3090", "rtx4090", "v100_32gb", "a100_40gb", "a100_80gb", "h100_80gb", "h20", "h200", "l40s"}
 
 
-def test_the_issue_names_every_card_it_asks_for():
-    assert set(PROFILES) == set(NOMINAL)
+def test_every_card_the_issue_asks_for_has_a_profile_and_every_profile_is_checked_here():
+    assert ISSUE_12 <= set(PROFILES) and set(PROFILES) == set(NOMINAL) == set(SM)
 
 
 @pytest.mark.parametrize("key", PROFILES)
@@ -35,7 +39,8 @@ def test_compute_capability_bf16_and_flash_follow_the_architecture(key):
     ampere_or_later = SM[key] >= (8, 0)  # bf16 kernels, flash and cuDNN attention start at sm80
     assert card.bf16 == card.sdpa["flash"] == card.sdpa["cudnn"] == ampere_or_later
     assert card.sdpa["efficient"] and card.sdpa["math"]
-    assert card.sdpa["default"] == ("cudnn" if SM[key][0] == 9 else "flash" if ampere_or_later else "efficient")
+    # check_prefer_cudnn_attention: cuDNN first on major 9 and 10 (not on sm120, the RTX 50 cards)
+    assert card.sdpa["default"] == ("cudnn" if SM[key][0] in (9, 10) else "flash" if ampere_or_later else "efficient")
 
 
 @pytest.mark.parametrize("key", PROFILES)
@@ -43,7 +48,8 @@ def test_the_cublas_workspace_is_torchs_default_for_the_architecture(key):
     card = device_profile.load(key)
     below_hopper = 4096 * 1024 * 2 + 16 * 1024 * 8  # ":4096:2:16:8": two 4 MiB and eight 16 KiB chunks
     hopper = 4096 * 1024 * 8  # ":4096:8": 32 MiB
-    assert card.cublas_workspace_bytes == (hopper if SM[key][0] == 9 else below_hopper)
+    # torch 2.13 parseChosenWorkspaceSize: 32 MiB on major 9, 10 and 12 (Hopper and Blackwell)
+    assert card.cublas_workspace_bytes == (hopper if SM[key][0] in (9, 10, 12) else below_hopper)
     assert below_hopper == 8_519_680  # what pytorch#95668 found left allocated after one Linear
     assert card.cublaslt_workspace_bytes == 0  # torch 2.13 reuses the cuBLAS workspace for cuBLASLt
 
@@ -63,6 +69,8 @@ def test_a_threads_first_matrix_multiply_allocates_the_cards_cublas_workspace_an
 
 @pytest.mark.parametrize("name, key", [("NVIDIA H100 80GB HBM3", "h100_80gb"), ("NVIDIA GeForce RTX 3090", "rtx3090"),
                                        ("GeForce RTX 3090", "rtx3090"), ("NVIDIA H100 PCIe", None),
+                                       ("Tesla T4", "t4"), ("NVIDIA B200", "b200"),
+                                       ("NVIDIA GeForce RTX 5090 D", None),  # the China model, another card
                                        ("x86_64 CPU (fake tensors)", None)])
 def test_the_profile_of_a_card_is_found_by_the_name_torch_gives_it(name, key):
     assert device_profile.key_of_card(name) == key

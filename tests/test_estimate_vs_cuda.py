@@ -83,7 +83,8 @@ def test_the_estimate_for_the_card_is_within_half_a_percent_of_every_measured_pe
     (["+sweep=seq_len"], "NVIDIA H100 80GB HBM3", ["+sweep=seq_len", "device=h100_80gb"]),
     (["+sweep=x", "device=none", "measure.backend=cuda"], "NVIDIA H100 80GB HBM3", ["+sweep=x", "device=h100_80gb"]),
     (["+sweep=x", "device=a100_80gb"], "NVIDIA H100 80GB HBM3", ["+sweep=x", "device=a100_80gb"]),  # its own choice
-    (["+sweep=x", "results_dir=/tmp/r"], "NVIDIA B200", ["+sweep=x"]),  # no profile is that card's
+    (["+sweep=x", "results_dir=/tmp/r"], "NVIDIA B200", ["+sweep=x", "device=b200"]),
+    (["+sweep=x", "results_dir=/tmp/r"], "NVIDIA H100 PCIe", ["+sweep=x"]),  # no profile is that card's
 ])
 def test_a_cuda_run_that_named_no_card_is_estimated_for_the_card_it_ran_on(ran, card, estimated):
     overrides = load_script("check_estimate").estimate_overrides({"overrides": ran, "device_name": card})

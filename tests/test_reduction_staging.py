@@ -131,8 +131,10 @@ def test_the_tracker_allocates_the_buffer_and_semaphores_after_the_output_and_fr
 
 @pytest.mark.parametrize("key", sorted(p.stem for p in (REPO / "conf" / "device").glob("*.yaml") if p.stem != "none"))
 def test_a_profiles_card_holds_the_threads_its_architecture_does(key):
-    # resident threads per SM, CUDA's table by compute capability: 1536 on sm86 / sm89, 2048 on sm70 / sm80 / sm90
+    # resident threads per SM, CUDA's table by compute capability: 1024 on sm75, 1536 on sm86 / sm89 / sm120,
+    # 2048 on sm70 / sm80 / sm90 / sm100
     card = device_profile.load(key)
-    assert card.max_threads_per_multiprocessor == (1536 if card.compute_capability in ((8, 6), (8, 9)) else 2048)
+    threads = {(7, 5): 1024, (8, 6): 1536, (8, 9): 1536, (12, 0): 1536}.get(card.compute_capability, 2048)
+    assert card.max_threads_per_multiprocessor == threads
     assert device_profile.reduction_card(card) == Card(card.multiprocessors, card.max_threads_per_multiprocessor)
     assert device_profile.reduction_card(None) is None

@@ -75,11 +75,13 @@ def card(key):
     (torch.float32, 6, False, False, "efficient"),  # fp32 head dims need no alignment without TF32 tensor cores
     (torch.bfloat16, 64, False, False, "math"),  # memory-efficient takes bf16 only from sm80 (bf16 is refused anyway)
 ])
-def test_a_v100_runs_no_flash_so_fp16_grouped_attention_falls_back_to_math(dtype, head_dim, mask, grouped, kernel):
-    assert cuda_kernel(dtype, head_dim, mask, grouped, card("v100_32gb")) == kernel
+@pytest.mark.parametrize("key", ["v100_32gb", "t4"])  # sm70 and sm75: no flash, memory-efficient without bf16
+def test_a_v100_runs_no_flash_so_fp16_grouped_attention_falls_back_to_math(key, dtype, head_dim, mask, grouped, kernel):
+    assert cuda_kernel(dtype, head_dim, mask, grouped, card(key)) == kernel
 
 
-@pytest.mark.parametrize("key", ["a100_40gb", "a100_80gb", "h100_80gb", "h20", "h200", "rtx3090", "rtx4090", "l40s"])
+@pytest.mark.parametrize("key", ["a100_40gb", "a100_80gb", "h100_80gb", "h20", "h200", "rtx3090", "rtx4090", "l40s",
+                                 "a10g", "l4", "rtx_a6000", "rtx5090", "b200"])
 @pytest.mark.parametrize("dtype,head_dim,mask,grouped", [
     (torch.bfloat16, 64, False, False), (torch.bfloat16, 64, False, True), (torch.bfloat16, 64, True, False),
     (torch.float32, 64, False, False), (torch.float32, 64, False, True), (torch.float16, 128, True, True),
@@ -95,6 +97,9 @@ def test_an_sm80_or_later_card_chooses_as_the_rules_without_a_card_do(key, dtype
     ("rtx3090", 200, False, "flash"),  # no backward: flash runs
     ("rtx3090", 232, True, "flash"),  # above 224 (without dropout) flash trains
     ("a100_80gb", 200, True, "flash"),  # sm80 trains any head dim up to 256
+    ("rtx5090", 200, True, "efficient"),  # sm120 as sm86/89
+    ("a10g", 224, True, "efficient"),
+    ("b200", 200, True, "flash"),  # sm100 has no such limit
 ])
 def test_consumer_ampere_and_ada_train_no_flash_with_head_dims_above_192_up_to_224(key, head_dim, requires_grad, kernel):
     assert cuda_kernel(torch.bfloat16, head_dim, False, False, card(key), requires_grad) == kernel
