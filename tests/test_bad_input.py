@@ -156,6 +156,11 @@ BAD_INPUT = {
                                       "step.num_processes=2"),
     "quantization unknown": (QLORA + ["train.quantization=fp8"],
                              "train.quantization='fp8' is not allowed: use nf4, int8 or null"),
+    "LoRA on an unknown tower": (["train.lora_r=4", "train.lora_towers=[lm,audio]"],
+                                 "train.lora_towers=['lm', 'audio'] is not allowed: give a list of distinct towers from "
+                                 "lm and vision"),
+    "LoRA on a frozen tower": (["train.lora_r=4", "train.lora_towers=[lm,vision]", "train.freeze_vision=true"],
+                               "train.freeze_vision=true is not allowed with train.lora_towers containing vision"),
     "quantization without LoRA": (["model=qwen2_vl_tiny", "train.quantization=nf4"],
                                   "train.quantization=nf4 is not allowed with train.lora_r=0: QLoRA trains LoRA adapters "
                                   "on a frozen quantized base; set train.lora_r"),

@@ -81,12 +81,66 @@ def test_lora_on_a_module_path_adapts_that_one_module(run, tower_params, target)
     assert inputs["params"] == tower_params["all"] + 4 * (32 + 32)
 
 
+def test_lora_on_the_vision_tower_too_freezes_its_base_and_trains_adapters_on_both_towers(plan_points, compose):
+    # peft's target_modules match names anywhere in a model: SmolVLM's fine-tuning notebook names q_proj and v_proj,
+    # which its SigLIP tower has too. idefics3_tiny: LM 2 layers, hidden 64, q 64 -> 64 (4 heads x 16), v 64 -> 32
+    # (2 kv heads x 16); tower 2 layers, hidden 32, q and v 32 -> 32; r (in + out) each
+    lm_adapters = 2 * (4 * (64 + 64) + 4 * (64 + 32))
+    vision_adapters = 2 * (4 * (32 + 32) + 4 * (32 + 32))
+    spec = instantiate(compose(["model=idefics3_tiny"]).model, _convert_="all")
+    model = spec.build("meta", torch.float32, init=False)
+    towers = {tower: sum(count_params(m)[0] for m in modules) for tower, modules in spec.towers(model).items()}
+    connector = count_params(model)[0] - towers["vision"] - towers["lm"]
+    lora = ["model=idefics3_tiny", "measure.backend=estimate", "train.lora_r=4", "train.lora_target_modules=[q_proj,v_proj]"]
+    (lm_only,) = plan_points(lora)
+    (both,) = plan_points(lora + ["train.lora_towers=[lm,vision]"])
+    assert lm_only.inputs["trainable_params"] == towers["vision"] + connector + lm_adapters
+    assert both.inputs["trainable_params"] == connector + lm_adapters + vision_adapters
+    assert both.inputs["params"] == count_params(model)[0] + lm_adapters + vision_adapters
+
+
+def test_lora_on_a_tower_without_a_layer_so_named_is_one_line(plan_points):
+    from vlmprobe.errors import ConfigError
+
+    # SigLIP's MLP is fc1 / fc2: an LM-only name adapts nothing in the tower
+    with pytest.raises(ConfigError, match=r"^train\.lora_target_modules=\['gate_proj'\] is not allowed: no linear "
+                                          r"layer of the vision tower is named so"):
+        plan_points(["model=idefics3_tiny", "measure.backend=estimate", "train.lora_r=4",
+                     "train.lora_target_modules=[gate_proj]", "train.lora_towers=[lm,vision]"])
+
+
 def test_lora_on_a_module_path_the_lm_does_not_have_is_one_line(plan_points):
     from vlmprobe.errors import ConfigError
 
     with pytest.raises(ConfigError, match=r"^train\.lora_target_modules=\['blocks\.2\.q_proj'\] is not allowed: no "
                                           r"linear layer of the language model is named so"):
         plan_points(BASE + ["train.lora_r=4", "train.lora_target_modules=[blocks.2.q_proj]"])
+
+
+def test_reentrant_checkpointing_drops_what_int8_matmuls_keep_outside_save_for_backward(plan_points):
+    # bitsandbytes' MatMul8bitLt keeps its input on ctx (ctx.tensors), which non-reentrant checkpointing's saved-
+    # tensor hooks never see: every int8 layer inside a checkpointed layer keeps its input until backward. The
+    # reentrant variant runs those layers under no_grad in forward, so they keep nothing. idefics3_tiny, int8
+    # everywhere but lm_head, both towers checkpointed, inputs 2 x 64 LM tokens and 2 x 5 tiles x 16 patches:
+    # per LM layer q/k/v's input (the norm's fp32 output, shared), o_proj's (bf16 attention output), gate/up's
+    # (fp32, shared), down_proj's (fp32, 128 wide); per vision layer the same four with fc1 / fc2 (fp32, 64 wide)
+    lm = 2 * 64 * (64 * 4 + 64 * 2 + 64 * 4 + 128 * 4)
+    vision = 2 * 5 * 16 * (32 * 4 + 32 * 2 + 32 * 4 + 64 * 4)
+    base = ["model=idefics3_tiny", "measure.backend=estimate", "data.batch_size=2", "data.lm_max_length=64",
+            "train.lora_r=4", "train.quantization=int8", "train.grad_ckpt.lm=true", "train.grad_ckpt.vision=true",
+            "measure.steps=1"]  # one step: a plain loop keeps the last step's graph (and so ctx) into the next forward
+    kept = {}
+    for reentrant in (False, True):
+        (planned,) = plan_points(base + [f"train.grad_ckpt_reentrant={str(reentrant).lower()}"])
+        kept[reentrant] = measure(planned.config)["activations_bytes"]
+    assert kept[False] - kept[True] == 2 * lm + 2 * vision  # two layers a tower
+
+
+def test_reentrant_checkpointing_is_refused_where_transformers_does_not_checkpoint(plan_points):
+    from vlmprobe.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"^train\.grad_ckpt_reentrant=true is not allowed for nanovlm_tiny"):
+        plan_points(BASE + ["train.grad_ckpt.lm=true", "train.grad_ckpt_reentrant=true"])
 
 
 @pytest.mark.parametrize("option,label,moments", [
