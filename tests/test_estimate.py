@@ -29,6 +29,19 @@ def test_estimate_equals_the_cpu_backend_to_the_byte(point, setting):
     assert estimate["backend"] == "estimate" and cpu["backend"] == "cpu"
 
 
+@pytest.mark.parametrize("reentrant", ["false", "true"])
+def test_lora_on_both_towers_under_checkpointing_estimates_the_cpu_backend_to_the_byte(point, reentrant):
+    # reentrant checkpointing runs a second backward inside each checkpointed layer's backward, and LoRA on the
+    # vision tower sends gradients back through it: the fake bookkeeping must follow both as real tensors do
+    base = ["model=idefics3_tiny", "data.batch_size=2", "data.lm_max_length=64", "train.lora_r=4",
+            "train.lora_towers=[lm,vision]", "train.lora_target_modules=[q_proj,v_proj]", "train.grad_ckpt.lm=true",
+            "train.grad_ckpt.vision=true", f"train.grad_ckpt_reentrant={reentrant}"]
+    cpu = measure(point(base + ["measure.backend=cpu"]))
+    estimate = measure(point(base + ["measure.backend=estimate"]))
+    assert cpu["status"] == estimate["status"] == "ok"
+    assert {k: estimate[k] for k in BYTE_COLUMNS} == {k: cpu[k] for k in BYTE_COLUMNS}
+
+
 def test_estimate_leaves_what_it_cannot_know_empty_not_zero(point):
     row = measure(point(["model=nanovlm_tiny", "data.lm_max_length=32", "measure.backend=estimate"]))
     for column in ("nvml_used_bytes", "nvml_process_bytes"):
