@@ -24,12 +24,17 @@ def run(plan_points):
     return _run
 
 
+def parameter_counts(compose, model_name: str) -> dict[str, int]:
+    """Parameters of the model (all), of each of its towers (as the knobs see them: spec.towers) and its tensors."""
+    spec = instantiate(compose([f"model={model_name}"]).model, _convert_="all")
+    model = spec.build("meta", torch.float32, init=False)
+    towers = {tower: sum(count_params(m)[0] for m in modules) for tower, modules in spec.towers(model).items()}
+    return {"all": count_params(model)[0], **towers, "tensors": len(list(model.parameters()))}
+
+
 @pytest.fixture
 def tower_params(compose):
-    spec = instantiate(compose(["model=nanovlm_tiny"]).model, _convert_="all")
-    model = spec.build("meta", torch.float32, init=False)
-    return {"all": count_params(model)[0], "vision": count_params(model.vision)[0], "lm": count_params(model.lm)[0],
-            "tensors": len(list(model.parameters()))}
+    return parameter_counts(compose, "nanovlm_tiny")
 
 
 def same(a, b, keys):
@@ -87,16 +92,15 @@ def test_lora_on_the_vision_tower_too_freezes_its_base_and_trains_adapters_on_bo
     # (2 kv heads x 16); tower 2 layers, hidden 32, q and v 32 -> 32; r (in + out) each
     lm_adapters = 2 * (4 * (64 + 64) + 4 * (64 + 32))
     vision_adapters = 2 * (4 * (32 + 32) + 4 * (32 + 32))
-    spec = instantiate(compose(["model=idefics3_tiny"]).model, _convert_="all")
-    model = spec.build("meta", torch.float32, init=False)
-    towers = {tower: sum(count_params(m)[0] for m in modules) for tower, modules in spec.towers(model).items()}
-    connector = count_params(model)[0] - towers["vision"] - towers["lm"]
-    lora = ["model=idefics3_tiny", "measure.backend=estimate", "train.lora_r=4", "train.lora_target_modules=[q_proj,v_proj]"]
+    towers = parameter_counts(compose, "idefics3_tiny")
+    connector = towers["all"] - towers["vision"] - towers["lm"]
+    lora = ["model=idefics3_tiny", "measure.backend=estimate", "train.lora_r=4",
+            "train.lora_target_modules=[q_proj,v_proj]"]
     (lm_only,) = plan_points(lora)
     (both,) = plan_points(lora + ["train.lora_towers=[lm,vision]"])
     assert lm_only.inputs["trainable_params"] == towers["vision"] + connector + lm_adapters
     assert both.inputs["trainable_params"] == connector + lm_adapters + vision_adapters
-    assert both.inputs["params"] == count_params(model)[0] + lm_adapters + vision_adapters
+    assert both.inputs["params"] == towers["all"] + lm_adapters + vision_adapters
 
 
 def test_lora_on_a_tower_without_a_layer_so_named_is_one_line(plan_points):

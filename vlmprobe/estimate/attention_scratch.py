@@ -4,8 +4,8 @@ The estimate runs torch's CPU flash kernel wherever CUDA would run a fused one (
 keeps what CUDA's flash, memory-efficient and cuDNN kernels keep (output and softmax statistics), but a fake kernel
 allocates nothing inside the op. This module makes, around that kernel, the blocks CUDA's own kernels make.
 
-cuDNN attention (`cudnn`), where torch runs it (vlmprobe.estimate.sdpa_choice.cudnn_runs: first on sm90, for the
-fp16/bf16 inputs whose head dims it takes):
+cuDNN attention (`cudnn`), where torch runs it (vlmprobe.estimate.sdpa_choice.cudnn_runs: first on sm90 and sm100,
+for the fp16/bf16 inputs whose head dims it takes; the sizes below, recorded on sm90, serve sm100 unchecked):
 - forward: a random seed and offset, one int64 each on the device, made before the output
   (_scaled_dot_product_cudnn_attention_cuda) and saved for backward; and the cuDNN graph's workspace, allocated
   through the caching allocator after the output and freed as the op returns (MHA.cpp, run_cudnn_SDP_fprop);

@@ -88,7 +88,6 @@ def _broadcast_strides(tensor: torch.Tensor, shape) -> tuple[int, ...]:
                  for d in range(len(shape)))
 
 
-
 def _copies(positions, args) -> list[int]:
     found = []
     for position in positions or ():

@@ -26,13 +26,12 @@ With a target card (device=, vlmprobe.estimate.device_profile) the card's limits
   cores: minimum_gemm_alignment) rather than 4.
 So on a V100 fp16 attention with grouped KV heads (what transformers passes when there is no mask) runs the
 math kernel, as CUDA does there. Without a card: the rules of an sm80+ card with flash first (A100, RTX 30/40).
-cuDNN attention, which torch tries first on sm90 (H100/H20/H200) with a recent cuDNN, keeps what flash keeps for
-backward (output and softmax statistics), so the flash-first order gives the same saved bytes wherever flash or
-memory-efficient would run; where cuDNN runs (cudnn_runs), its seed, offset
-and workspaces are made around the fused kernel, and where flash runs its backward's accumulators
-(vlmprobe.estimate.attention_scratch). cuDNN also takes a mask with grouped KV heads,
-which here falls to math (transformers passes grouped heads only without a mask). Not modelled: head_dim > 224
-with dropout on sm86/89, dropout masks.
+cuDNN attention, which torch tries first on sm90 and sm100 (H100/H20/H200, B200) with a recent cuDNN, keeps what
+flash keeps for backward (output and softmax statistics), so the flash-first order gives the same saved bytes
+wherever flash or memory-efficient would run; where cuDNN runs (cudnn_runs), its seed, offset and workspaces are
+made around the fused kernel, and where flash runs its backward's accumulators (vlmprobe.estimate.attention_scratch).
+cuDNN also takes a mask with grouped KV heads, which here falls to math (transformers passes grouped heads only
+without a mask). Not modelled: head_dim > 224 with dropout on sm86/89, dropout masks.
 """
 
 from __future__ import annotations
