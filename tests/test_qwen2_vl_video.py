@@ -39,9 +39,17 @@ def video_processor(monkeypatch):
     return importlib.import_module(name).Qwen2VLVideoProcessor
 
 
+class ProcessorSettings(types.SimpleNamespace):
+    """A video processor's own settings as get_num_of_video_patches reads them: as attributes (transformers 5.24)
+    or through _merge_and_standardize_kwargs, which lays the call's kwargs over them (5.25)."""
+
+    def _merge_and_standardize_kwargs(self, **kwargs) -> dict:
+        return {**vars(self), **kwargs}
+
+
 def processor_settings(low=VIDEO_MIN, high=VIDEO_MAX):
-    return types.SimpleNamespace(size={"shortest_edge": low, "longest_edge": high}, patch_size=14, merge_size=2,
-                                 temporal_patch_size=2)
+    return ProcessorSettings(size={"shortest_edge": low, "longest_edge": high}, patch_size=14, merge_size=2,
+                             temporal_patch_size=2)
 
 
 @pytest.mark.parametrize("frames", [1, 2, 5, 16, 33])
