@@ -90,7 +90,7 @@ def main() -> None:
                 print(f"\n{sweep} wall time, local / {other}: {local / wall:.2f} "
                       f"({other}: {len(os.sched_getaffinity(0))} jobs, launcher.jobs=null)")
     print("\nrss_gib: peak resident set of the vlmprobe process (GiB, 1024^3 B); step_time_s: slowest point's last step "
-          "(a replayed step where the estimate replays the steps after the first: vlmprobe/estimate/step_replay.py).")
+          "(a replayed step where the estimate replays the steps after the first: vlmprobe/estimate/replay/steps.py).")
 
 
 if __name__ == "__main__":

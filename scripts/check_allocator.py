@@ -29,8 +29,8 @@ from pathlib import Path
 import pandas as pd
 
 from vlmprobe.errors import ConfigError
-from vlmprobe.estimate import alloc_conf
-from vlmprobe.estimate.snapshot_replay import NotASnapshot, load, replay, requests, settings_text
+from vlmprobe.estimate.replay.snapshot import NotASnapshot, load, replay, requests, settings_text
+from vlmprobe.gpu import alloc_conf
 
 MiB = 2**20
 

@@ -23,10 +23,10 @@ import sys
 
 import pandas as pd
 
-from vlmprobe.distributed.ranks import RANK_VALUE_COLUMNS, measure_point
-from vlmprobe.plan import plan_overrides
-from vlmprobe.results import MiB
-from vlmprobe.worker import measure
+from vlmprobe.config.plan import plan_overrides
+from vlmprobe.results.table import RANK_VALUE_COLUMNS
+from vlmprobe.run.ranks import run_ranks
+from vlmprobe.sizes import MiB
 
 BYTES = [c for c in RANK_VALUE_COLUMNS if c.endswith("_bytes")]
 DISTS = {"fsdp2": ["dist=fsdp2"], "fsdp2_offload": ["dist=fsdp2", "dist.offload_param=cpu"], "ddp": ["dist=ddp"]}
@@ -34,7 +34,7 @@ DISTS = {"fsdp2": ["dist=fsdp2"], "fsdp2_offload": ["dist=fsdp2", "dist.offload_
 
 def run(overrides: list[str]) -> dict:
     (planned,) = plan_overrides(overrides)
-    return measure_point(planned.config, measure, dict(os.environ))
+    return run_ranks(planned.config, dict(os.environ))
 
 
 def main() -> int:

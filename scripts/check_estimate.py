@@ -24,8 +24,9 @@ from pathlib import Path
 
 import pandas as pd
 
-from vlmprobe.estimate import device_profile
-from vlmprobe.results import MiB, read_table, superseded
+from vlmprobe.gpu import device_profile
+from vlmprobe.results.table import read_table, superseded
+from vlmprobe.sizes import MiB
 
 TINY_SETTINGS = {
     "fp32": ["train.autocast_dtype=null"],
@@ -96,7 +97,7 @@ def against(reference_dir: Path, tmp: Path) -> pd.DataFrame:
 
 
 def published(tmp: Path) -> pd.DataFrame:
-    from vlmprobe import reference
+    from vlmprobe.results import published as reference
 
     estimate = read_table(sweep(["+sweep=seq_len", f"device={reference.CARD.key}", "measure.backend=estimate"],
                                 tmp / "published") / "results.csv")

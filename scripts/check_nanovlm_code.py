@@ -25,12 +25,12 @@ import argparse
 
 import pandas as pd
 
-from vlmprobe import check, reference
+from vlmprobe.config.plan import plan_overrides
 from vlmprobe.errors import ConfigError
-from vlmprobe.plan import plan_overrides
-from vlmprobe.results import MiB
+from vlmprobe.results import finding as check, published as reference
+from vlmprobe.run.sweep import run_point
 from vlmprobe.script_args import options, positive_ints
-from vlmprobe.sweep import run_point
+from vlmprobe.sizes import MiB
 
 CODES = ("vlmprobe", "nanoVLM")  # whose model code a run ran: ours, or the checkout's
 
@@ -44,7 +44,7 @@ def overrides(args, source: str | None) -> list[str]:
 
 
 def run(configs: list[dict]) -> dict[tuple[int, int], dict]:
-    """(batch, length) -> the point's outputs (a fresh worker process per point on CUDA: vlmprobe.sweep)."""
+    """(batch, length) -> the point's outputs (a fresh worker process per point on CUDA: vlmprobe.run.sweep)."""
     return {(c["data"]["batch_size"], c["data"]["lm_max_length"]): run_point(c) for c in configs}
 
 

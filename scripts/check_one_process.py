@@ -25,15 +25,17 @@ import pandas as pd
 import torch
 from hydra.utils import instantiate
 
-from vlmprobe import backends, check, reference
+from vlmprobe import backends
+from vlmprobe.config.plan import plan_overrides
 from vlmprobe.distributed import engines
 from vlmprobe.errors import ConfigError
-from vlmprobe.estimate import device_profile
+from vlmprobe.gpu import device_profile
 from vlmprobe.models.base import DataShape
-from vlmprobe.plan import plan_overrides
-from vlmprobe.results import MiB
+from vlmprobe.point.build import build_spec, built, DTYPES
+from vlmprobe.point.measure import measure
+from vlmprobe.results import finding as check, published as reference
 from vlmprobe.script_args import options, positive_ints
-from vlmprobe.worker import DTYPES, build_spec, built, measure
+from vlmprobe.sizes import MiB
 
 
 def points(length: int, batch_sizes: list[int], card: str, model: str | None) -> list[dict]:

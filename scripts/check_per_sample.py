@@ -76,12 +76,14 @@ from pathlib import Path
 
 import pandas as pd
 
-from vlmprobe import backends, check, reference
-from vlmprobe.estimate import device_profile
-from vlmprobe.plan import plan_overrides
-from vlmprobe.results import MiB, gpu_check_runs, read_results_dir, superseded
+from vlmprobe import backends
+from vlmprobe.config.plan import plan_overrides
+from vlmprobe.gpu import device_profile
+from vlmprobe.point.measure import measure
+from vlmprobe.results import finding as check, published as reference
+from vlmprobe.results.table import gpu_check_runs, read_results_dir, superseded
 from vlmprobe.script_args import positive_ints
-from vlmprobe.worker import measure
+from vlmprobe.sizes import MiB
 
 REPO = Path(__file__).resolve().parent.parent
 BATCHES = (check.SLOPE_FROM, check.SLOPE_TO)  # where the published table has both lengths

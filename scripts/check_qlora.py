@@ -96,10 +96,10 @@ def model_table() -> tuple[pd.DataFrame, pd.DataFrame]:
     import torch
     from hydra.utils import instantiate
 
-    from vlmprobe.plan import plan_overrides
+    from vlmprobe.config.plan import plan_overrides
     from vlmprobe.quantization import layers_to_quantize
     from vlmprobe.quantization.accounting import block, kept_bytes
-    from vlmprobe.worker import measure
+    from vlmprobe.point.measure import measure
 
     rows, hand_rows = [], []
     for kind in ("nf4", "int8"):

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from vlmprobe.results import MiB
+from vlmprobe.sizes import MiB
 
 WORDS = 400  # word-level vocabulary: ids 0..399; the tiny model's special tokens sit at 500..505
 TEMPLATE = ("{% for m in messages %}{% for c in m['content'] %}{% if c['type'] == 'image' %}"
@@ -139,8 +139,8 @@ def trl_peak(step: str, spec, out: Path, settings: dict, fold_in_place: bool) ->
 
 
 def vlmprobe_peak(step: str, settings: dict, prompt_length: int, optimizer: str) -> dict:
-    from vlmprobe.plan import plan_overrides
-    from vlmprobe.worker import measure
+    from vlmprobe.config.plan import plan_overrides
+    from vlmprobe.point.measure import measure
 
     option = {"foreach": "adamw", "fused": "adamw_fused", "single_tensor": "adamw_single_tensor"}[optimizer]
     knobs = ([f"step.num_generations={settings['generations']}", f"step.max_completion_length={settings['completion']}",
@@ -162,7 +162,7 @@ def main() -> None:
     from hydra.utils import instantiate
     from omegaconf import OmegaConf
 
-    from vlmprobe.overrides import CONF
+    from vlmprobe.paths import CONF
 
     spec = instantiate(OmegaConf.load(CONF / "model" / "qwen2_5_vl_tiny.yaml"), _convert_="all")
     cases = {"grpo": ((0.04, False), (0.0, False), (0.04, True)), "dpo": ((None, False), (None, True))}

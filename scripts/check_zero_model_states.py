@@ -72,11 +72,11 @@ import time
 import pandas as pd
 import torch
 
-from vlmprobe.distributed.ranks import simulate_elsewhere
+from vlmprobe.config.plan import plan_overrides
 from vlmprobe.models.base import DataShape, count_params
-from vlmprobe.plan import plan_overrides
-from vlmprobe.results import GiB, MiB
-from vlmprobe.worker import build_spec
+from vlmprobe.point.build import build_spec
+from vlmprobe.run.ranks import simulate_elsewhere
+from vlmprobe.sizes import GiB, MiB
 
 SETUP = ["train.param_dtype=bfloat16", "train.autocast_dtype=null", "data.batch_size=1"]
 SHORT = {"nanovlm_222m": ["data.lm_max_length=128"],  # 49 image tokens at its 224 px

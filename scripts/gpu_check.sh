@@ -6,7 +6,7 @@
 #   2. nightly          scripts/nightly.sh on cuda: the seq_len and Qwen2-VL-2B image-size sweeps, the
 #                       nanoVLM finding check, the regression gate where a baseline exists
 #   3. estimate_vs_cuda scripts/check_estimate.py --cuda-dir on both sweeps: estimate vs measurement per point
-#   4. finding          python -m vlmprobe.check on the measured seq_len sweep (also in 2; here with its table)
+#   4. finding          python -m vlmprobe.results.finding on the measured seq_len sweep (also in 2; here with its table)
 #   5. recording_cost   one seq_len point with measure.record_history=off|alloc|all: what history costs in
 #                       step_time_s (device figures must not change)
 #   6. allocator        the whole seq_len sweep under three allocator settings (default, expandable_segments:True,
@@ -60,11 +60,11 @@ done
 wanted() { [[ "$ONLY" == *" $1 "* ]]; }
 
 python scripts/cuda_usable.py || exit 1
-DEVICE=$(python -c 'import torch; from vlmprobe.compare import device_slug; print(device_slug(torch.cuda.get_device_name(0)))')
+DEVICE=$(python -c 'import torch; from vlmprobe.results.compare import device_slug; print(device_slug(torch.cuda.get_device_name(0)))')
 OUT=${VLMPROBE_GPU_CHECK_DIR:-results/gpu_check/$DEVICE/$(date -u +%Y%m%d-%H%M%S)}
 mkdir -p "$OUT"
 # the device, driver, versions and commit of every figure below, written the way each results dir's env.json is
-python -c 'import sys; from vlmprobe import backends, provenance; from pathlib import Path
+python -c 'import sys; from vlmprobe import backends; from vlmprobe.results import provenance; from pathlib import Path
 provenance.write_env(Path(sys.argv[1]), provenance.environment(backends.get("cuda").describe(), {"measure": {}}))' "$OUT/env.json"
 STATUS=()
 
@@ -95,7 +95,7 @@ if wanted nightly; then
   done
   # without a dir check_estimate.py would run both sweeps again on this GPU
   [ ${#CUDA_DIRS[@]} -gt 0 ] && step estimate_vs_cuda python scripts/check_estimate.py --parts cuda "${CUDA_DIRS[@]}"
-  [ -n "$SEQ_LEN" ] && step finding python -m vlmprobe.check "$SEQ_LEN"
+  [ -n "$SEQ_LEN" ] && step finding python -m vlmprobe.results.finding "$SEQ_LEN"
 fi
 wanted recording_cost && step recording_cost python -m vlmprobe +sweep=seq_len measure.backend=cuda \
   "results_dir=$OUT/recording_cost" "sweep.axes.data.batch_size=[8]" "sweep.axes.data.lm_max_length=[512]" \
@@ -108,7 +108,7 @@ if wanted allocator; then
     step check_allocator python scripts/check_allocator.py "$ALLOCATOR" --requests-csv "$OUT/allocator_requests.csv"
     step allocator_vs_estimate python scripts/check_estimate.py --parts cuda --cuda-dir "$ALLOCATOR"
   fi
-  CARD=$(python -c 'import torch; from vlmprobe.estimate.device_profile import key_of_card
+  CARD=$(python -c 'import torch; from vlmprobe.gpu.device_profile import key_of_card
 print(key_of_card(torch.cuda.get_device_name(0)) or "")')
   if [ -n "$CARD" ]; then
     step allocator_flash env TORCH_CUDNN_SDPA_DEPRIORITIZED=1 python -m vlmprobe +sweep=seq_len measure.backend=cuda \
@@ -170,7 +170,7 @@ baseline() {
   local dir target
   for dir in "$SEQ_LEN" "$IMAGE_SIZE"; do
     [ -n "$dir" ] || continue
-    target=$(python -c 'import sys; from vlmprobe.compare import baseline_path; print(baseline_path(*sys.argv[1:]))' results/baseline "$dir")
+    target=$(python -c 'import sys; from vlmprobe.results.compare import baseline_path; print(baseline_path(*sys.argv[1:]))' results/baseline "$dir")
     if [ -f "$target/results.csv" ]; then
       echo "baseline exists: $target"
     else

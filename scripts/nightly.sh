@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The nightly run, on any GPU box by hand or from .github/workflows/nightly.yml:
 #   1. the seq_len sweep (nanoVLM-222M, issue #103) and the Qwen2-VL-2B image-size sweep;
-#   2. the finding check on the seq_len results (python -m vlmprobe.check);
-#   3. the regression gate of each sweep against its baseline, when one exists (python -m vlmprobe.compare).
+#   2. the finding check on the seq_len results (python -m vlmprobe.results.finding);
+#   3. the regression gate of each sweep against its baseline, when one exists (python -m vlmprobe.results.compare).
 # A failed step does not stop the later ones (one night shows everything that broke); the exit status is
 # non-zero if any step failed.
 #
@@ -10,7 +10,7 @@
 #   VLMPROBE_BACKEND          measure.backend of both sweeps (default cuda; `estimate` runs without a GPU)
 #   VLMPROBE_RESULTS          results root (default results/nightly): a sweep lands in ROOT/<sweep>/<timestamp>/
 #   VLMPROBE_BASELINES        baseline root (default results/baseline): ROOT/<device>/<sweep>/ is a results dir,
-#                             <device> = env.json's device_name slugified (vlmprobe.compare.device_slug)
+#                             <device> = env.json's device_name slugified (vlmprobe.results.compare.device_slug)
 #   VLMPROBE_TOLERANCE        largest allowed growth of a peak (default 0.02)
 #   VLMPROBE_LAUNCHER         launcher of both sweeps (default: pool on cuda, a worker pinned to each GPU of the
 #                             runner; local otherwise, where the points of these small sweeps run in the sweep process)
@@ -59,7 +59,7 @@ run_sweep() {
   python - "$DIR" <<'EOF' || fail "sweep $sweep: points that did not finish (see $DIR/summary.md)"
 import sys
 from pathlib import Path
-from vlmprobe.results import read_table
+from vlmprobe.results.table import read_table
 table = read_table(Path(sys.argv[1]) / "results.csv")
 bad = table[~table["status"].isin(["ok", "oom"])]
 for row in bad.itertuples():
@@ -71,14 +71,14 @@ EOF
 # gate DIR: compare DIR with its baseline, or say how to make one
 gate() {
   local dir=$1 baseline
-  baseline=$(python -c 'import sys; from vlmprobe.compare import baseline_path; print(baseline_path(*sys.argv[1:]))' \
+  baseline=$(python -c 'import sys; from vlmprobe.results.compare import baseline_path; print(baseline_path(*sys.argv[1:]))' \
     "$BASELINES" "$dir") || { fail "finding the baseline of $dir"; return; }
   if [ ! -f "$baseline/results.csv" ]; then
     echo "nightly: no baseline at $baseline: nothing to gate against. To make this run the baseline:" >&2
     echo "  mkdir -p $baseline && cp -r $dir/. $baseline/" >&2
     return
   fi
-  python -m vlmprobe.compare "$baseline" "$dir" --tolerance "$TOLERANCE" || fail "regression gate: $dir vs $baseline"
+  python -m vlmprobe.results.compare "$baseline" "$dir" --tolerance "$TOLERANCE" || fail "regression gate: $dir vs $baseline"
 }
 
 run_sweep seq_len "${SEQ_LEN[@]}"
@@ -87,7 +87,7 @@ run_sweep qwen2_vl_image_size "${IMAGE_SIZE[@]}"
 IMAGE_SIZE_DIR=$DIR
 
 if [ -n "$SEQ_LEN_DIR" ]; then
-  python -m vlmprobe.check "$SEQ_LEN_DIR" || fail "finding check on $SEQ_LEN_DIR"
+  python -m vlmprobe.results.finding "$SEQ_LEN_DIR" || fail "finding check on $SEQ_LEN_DIR"
 fi
 for dir in "$SEQ_LEN_DIR" "$IMAGE_SIZE_DIR"; do
   if [ -n "$dir" ]; then

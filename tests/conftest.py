@@ -14,7 +14,7 @@ import torch
 from hydra import initialize_config_dir
 from omegaconf import OmegaConf
 
-from vlmprobe.plan import plan
+from vlmprobe.config.plan import plan
 
 REPO = Path(__file__).resolve().parent.parent
 CONF = REPO / "conf"
@@ -66,10 +66,9 @@ def ranks_of(config: dict) -> dict:
     backend, or the estimate's ranks."""
     import os
 
-    from vlmprobe.distributed.ranks import measure_point
-    from vlmprobe.worker import measure
+    from vlmprobe.run.ranks import run_ranks
 
-    outputs = measure_point(config, measure, dict(os.environ))
+    outputs = run_ranks(config, dict(os.environ))
     assert outputs["status"] == "ok", outputs.get("error")
     return {r["rank"]: r for r in outputs["ranks"]}
 
@@ -111,11 +110,11 @@ def real_run_that_agrees(run_real, apart_from_estimate):
 
 @pytest.fixture(autouse=True)
 def nothing_kept_from_other_tests():
-    """Every test starts with no optimizer step logs (vlmprobe.estimate.step_replay) and no built models
-    (vlmprobe.estimate.built_models) kept from another's points: a process keeps both across the points it
+    """Every test starts with no optimizer step logs (vlmprobe.estimate.replay.steps) and no built models
+    (vlmprobe.estimate.replay.built_models) kept from another's points: a process keeps both across the points it
     measures; a test that measures a point after another says so."""
-    from vlmprobe.estimate.built_models import BUILT_MODELS
-    from vlmprobe.estimate.step_replay import OPTIMIZER_PLANS
+    from vlmprobe.estimate.replay.built_models import BUILT_MODELS
+    from vlmprobe.estimate.replay.steps import OPTIMIZER_PLANS
 
     OPTIMIZER_PLANS.clear()
     BUILT_MODELS.clear()

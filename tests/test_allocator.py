@@ -9,8 +9,8 @@ import random
 import pytest
 import torch
 
-from vlmprobe.estimate.alloc_conf import parse
 from vlmprobe.estimate.allocator import CachingAllocatorModel, get_allocation_size, round_size
+from vlmprobe.gpu.alloc_conf import parse
 
 KiB = 1024
 MiB = 1024 * 1024

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from vlmprobe.errors import ConfigError
-from vlmprobe.estimate.alloc_conf import KEYS, allowed_maximum, parse
 from vlmprobe.estimate.allocator import CachingAllocatorModel, format_size, oom_message, round_size
+from vlmprobe.gpu.alloc_conf import KEYS, allowed_maximum, parse
 
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
 
@@ -179,7 +179,7 @@ def test_oom_message_is_cudas_format_string():
     assert [format_size(n) for n in (1024, 1025, MiB, MiB + 1, GiB)] == [
         "1024 bytes", "1.00 KiB", "1024.00 KiB", "1.00 MiB", "1024.00 MiB"]
     # vlmprobe reads the segment size back from either wording (oom_segment_bytes)
-    from vlmprobe.estimate.tracker import segment_bytes_in_message
+    from vlmprobe.sizes import segment_bytes_in_message
 
     assert segment_bytes_in_message(message) == round(3.91 * GiB)
 

@@ -1,4 +1,4 @@
-"""What CUDA's fused attention kernels allocate for themselves (vlmprobe.estimate.attention_scratch): cuDNN's against
+"""What CUDA's fused attention kernels allocate for themselves (vlmprobe.estimate.cuda_rules.attention_scratch): cuDNN's against
 the allocations the H200 run recorded and torch's selection rules, flash's against hand counts of torch's mha_bwd."""
 
 import pytest
@@ -7,8 +7,9 @@ import torch.nn.functional as F
 
 from conftest import h200_requests, requested
 from vlmprobe import backends
-from vlmprobe.estimate import attention_scratch, device_profile
-from vlmprobe.estimate.sdpa_choice import cudnn_runs
+from vlmprobe.estimate.cuda_rules import attention_scratch
+from vlmprobe.estimate.cuda_rules.sdpa_choice import cudnn_runs
+from vlmprobe.gpu import device_profile
 
 @pytest.mark.parametrize("batch, heads, length, size, calls", [
     (1, 9, 512, 1_198_336, 30), (1, 12, 196, 611_776, 12),  # the LM's 30 layers, the ViT's 12, at batch 1

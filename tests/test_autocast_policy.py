@@ -12,8 +12,8 @@ import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from vlmprobe.estimate import autocast_policy
-from vlmprobe.estimate.autocast_policy import CPU_POLICY, CUDA_POLICY, cuda_autocast_policy, installed
+from vlmprobe.estimate.cuda_rules import autocast_policy
+from vlmprobe.estimate.cuda_rules.autocast_policy import CPU_POLICY, CUDA_POLICY, cuda_autocast_policy, installed
 
 BF16, FP32 = torch.bfloat16, torch.float32
 

@@ -1,6 +1,6 @@
 """Every bad input of issue 9 is one line naming the value and what is allowed (exit 2), before any point
 runs and before anything is written; an internal failure is one line and a log file. In-process through
-vlmprobe.__main__.main (the CLI's own entry); test_cli.py runs a few of the same through a subprocess."""
+vlmprobe.cli.main (the CLI's own entry); test_cli.py runs a few of the same through a subprocess."""
 
 import re
 from pathlib import Path
@@ -8,7 +8,8 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from vlmprobe.__main__ import check_resume, main
+from vlmprobe.cli import main
+from vlmprobe.run.resume import check_resume
 
 
 @pytest.fixture
@@ -222,12 +223,12 @@ def test_a_grid_above_max_points_is_refused_with_its_size_and_time(cli, tmp_path
 
 
 def test_an_internal_error_is_one_line_and_a_log_with_the_traceback(cli, monkeypatch):
-    import vlmprobe.plan
+    import vlmprobe.run.command
 
     def broken(*args, **kwargs):
         raise RuntimeError("planner broke\nsecond line")
 
-    monkeypatch.setattr(vlmprobe.plan, "plan", broken)
+    monkeypatch.setattr(vlmprobe.run.command, "plan", broken)
     code, lines = cli(["model=nanovlm_tiny"])
     assert code == 1 and len(lines) == 1
     assert lines[0].startswith("vlmprobe: internal error, not a problem with your input (RuntimeError: planner broke); "
@@ -270,7 +271,7 @@ def test_an_interrupt_between_making_the_dir_and_its_config_leaves_nothing_and_s
     """The race CI met: Ctrl-C after the results dir is made but before its config.yaml is whole. The dir is
     removed (nothing in it to resume) and the line says nothing was written; once the config exists, the line
     names the dir and the resume command."""
-    from vlmprobe.__main__ import interrupted_line
+    from vlmprobe.run.resume import interrupted_line
 
     made = tmp_path / "smoke" / "20261123-000000"
     made.mkdir(parents=True)
@@ -288,7 +289,7 @@ def test_an_interrupt_between_making_the_dir_and_its_config_leaves_nothing_and_s
 def test_a_resumed_command_interrupted_before_reading_its_dir_names_that_dir_and_the_same_resume_command(tmp_path):
     # seen in CI's fault test: Ctrl-C during a resumed command's start-up (imports, composing), before its resume=
     # dir is known to the sweep; the rows in that dir are kept all the same
-    from vlmprobe.__main__ import interrupted_line
+    from vlmprobe.run.resume import interrupted_line
 
     old = tmp_path / "smoke" / "20261123-000000"
     old.mkdir(parents=True)

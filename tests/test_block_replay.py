@@ -1,14 +1,15 @@
 """The estimate replays a tower's middle blocks from its first block's allocations in forward and its last block's in
-backward (vlmprobe.estimate.block_replay). Checked against the cpu backend's real tensors, which run every block."""
+backward (vlmprobe.estimate.replay.blocks). Checked against the cpu backend's real tensors, which run every block."""
 
 import pytest
 import torch
 
-from vlmprobe import worker
-from vlmprobe.estimate import block_replay
+from vlmprobe.estimate.replay import blocks as block_replay
 from vlmprobe.knobs import apply_knobs
 from vlmprobe.models.nanovlm import NanoVLMSpec
-from vlmprobe.worker import build_spec, measure
+from vlmprobe.point import measure as measure_module
+from vlmprobe.point.build import build_spec
+from vlmprobe.point.measure import measure
 
 from test_estimate import BYTE_COLUMNS
 
@@ -22,7 +23,7 @@ def replayed(monkeypatch):
     """How many blocks each point replayed (forward), and whether any point was measured again without."""
     counts = {"blocks": 0, "again": 0}
     forward = block_replay._Ticket.forward
-    run = worker._measure
+    run = measure_module.measure_once
 
     def spy_forward(self, x):
         counts["blocks"] += 1
@@ -33,7 +34,7 @@ def replayed(monkeypatch):
         return run(point, replay_blocks)
 
     monkeypatch.setattr(block_replay._Ticket, "forward", spy_forward)
-    monkeypatch.setattr(worker, "_measure", spy_measure)
+    monkeypatch.setattr(measure_module, "measure_once", spy_measure)
     return counts
 
 

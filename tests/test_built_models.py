@@ -1,5 +1,5 @@
 """A process keeps the model an estimate point built for later points with the same model and knobs, and replays the
-build into each one's allocator model (vlmprobe.estimate.built_models). Checked against building every point's
+build into each one's allocator model (vlmprobe.estimate.replay.built_models). Checked against building every point's
 model: with nothing kept, the same figures."""
 
 import gc
@@ -10,9 +10,10 @@ import torch
 from torch import nn
 
 from vlmprobe import backends
-from vlmprobe.distributed.engines import Engine
-from vlmprobe.estimate.built_models import BUILT_MODELS
-from vlmprobe.worker import measure, model_key
+from vlmprobe.distributed.base import Engine
+from vlmprobe.estimate.replay.built_models import BUILT_MODELS
+from vlmprobe.point.build import model_key
+from vlmprobe.point.measure import measure
 
 
 @pytest.fixture

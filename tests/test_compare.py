@@ -7,8 +7,8 @@ import sys
 import pandas as pd
 
 from conftest import REPO
-from vlmprobe.compare import baseline_path, device_slug
-from vlmprobe.results import columns_for
+from vlmprobe.results.compare import baseline_path, device_slug
+from vlmprobe.results.table import columns_for
 
 MiB = 2**20
 POINTS = {"data.batch_size=1": 1000.0, "data.batch_size=8": 4000.0, "data.batch_size=16": 7000.0}
@@ -28,7 +28,7 @@ def write_results(out_dir, peaks, backend="cuda", device="NVIDIA H100 80GB HBM3"
 
 
 def compare(baseline, results, *extra):
-    return subprocess.run([sys.executable, "-m", "vlmprobe.compare", str(baseline), str(results), *extra],
+    return subprocess.run([sys.executable, "-m", "vlmprobe.results.compare", str(baseline), str(results), *extra],
                           capture_output=True, text=True, cwd=REPO, timeout=120)
 
 
@@ -82,7 +82,7 @@ def test_rows_of_different_backends_are_refused_in_one_line(tmp_path):
     proc = compare(measured, estimated)
     assert proc.returncode == 2 and proc.stdout == ""
     (line,) = proc.stderr.strip().splitlines()
-    assert line.startswith("vlmprobe.compare: refusing to compare backend cuda (baseline) with estimate (results)")
+    assert line.startswith("vlmprobe.results.compare: refusing to compare backend cuda (baseline) with estimate (results)")
 
 
 def test_bad_input_is_one_line_and_exit_2(tmp_path):

@@ -47,14 +47,14 @@ def test_every_group_option_composes_and_instantiates(compose, group, option):
     if group == "device":  # through its _target_, as a point builds it; the file's name is the row's `device`
         from omegaconf import OmegaConf
 
-        from vlmprobe.estimate import device_profile
+        from vlmprobe.gpu import device_profile
 
         card = device_profile.from_config(OmegaConf.to_container(cfg.device, resolve=True))
         assert card is None if option == "none" else (card.key == option and card.total_memory > 0)
     if group == "launcher":  # plain data, checked as the command checks it; the file's name is its `name`
         from omegaconf import OmegaConf
 
-        from vlmprobe import launchers
+        from vlmprobe.run import launchers
 
         launcher = OmegaConf.to_container(cfg.launcher, resolve=True)
         if option == "submitit":  # its default cluster, slurm, is refused off a SLURM cluster (test_bad_input)
@@ -65,12 +65,12 @@ def test_every_group_option_composes_and_instantiates(compose, group, option):
         from omegaconf import OmegaConf
 
         from vlmprobe.models.base import DataShape
-        from vlmprobe.plan import validate_step
+        from vlmprobe.config.checks import check_step
 
         point = OmegaConf.to_container(compose([f"step={option}", "model=qwen2_5_vl_tiny", "data.batch_size=4"]),
                                        resolve=True)
         spec = instantiate(point["model"], _convert_="all")
-        settings = validate_step(point, DataShape.from_config(point["data"]), spec)
+        settings = check_step(point, DataShape.from_config(point["data"]), spec)
         assert point["step"]["name"] == option and (settings is None) == (option == "sft")
     if group == "optimizer":
         if option == "adamw_8bit" and importlib.util.find_spec("bitsandbytes") is None:

@@ -6,7 +6,8 @@ import pandas as pd
 import pytest
 
 from conftest import run_cli
-from vlmprobe.sweep import describe_backend, run_point
+from vlmprobe.run.sweep import run_point
+from vlmprobe.run.workers import describe_backend
 
 pytestmark = pytest.mark.cuda
 

@@ -31,10 +31,9 @@ BYTES = ("load_peak_bytes", "peak_host_bytes", "after_step_host_bytes", "peak_al
 def run_dist(point, overrides):
     import os
 
-    from vlmprobe.distributed.ranks import measure_point
-    from vlmprobe.worker import measure
+    from vlmprobe.run.ranks import run_ranks
 
-    return measure_point(point(overrides), measure, dict(os.environ))
+    return run_ranks(point(overrides), dict(os.environ))
 
 
 def by_rank(outputs):
@@ -124,9 +123,9 @@ def test_lora_beside_a_bf16_tower_fails_in_the_real_zero3_engine_unless_frozen_o
     # what the plan refuses in one line (tests/test_distributed.py), shown by DeepSpeed itself: the check is
     # lifted and the point runs; each of the line's three ways out runs the engine through
     pytest.importorskip("deepspeed")
-    import vlmprobe.distributed.deepspeed_engine as engine
+    import vlmprobe.config.plan as plan
 
-    monkeypatch.setattr(engine, "check_point", lambda *args: None)
+    monkeypatch.setattr(plan, "check_point", lambda *args: None)  # the plan's one-line refusal
     # Qwen2-VL: its merger is part of the vision tower, so freezing the tower leaves only the adapters training
     lora = ["model=qwen2_vl_tiny", *TINY[1:], "dist=zero3", *SMALL, *STAGE3, "train.lora_r=8",
             "train.param_dtype=bfloat16", "train.autocast_dtype=null", "measure.backend=estimate"]
@@ -300,7 +299,7 @@ def test_the_free_memory_deepspeed_reads_is_what_nvml_would_report_on_the_points
     from omegaconf import OmegaConf
 
     from vlmprobe.distributed.deepspeed_engine import cuda_free_bytes
-    from vlmprobe.estimate.device_profile import capacity, from_config
+    from vlmprobe.gpu.device_profile import capacity, from_config
 
     def free(*overrides):
         point = OmegaConf.to_container(compose(list(overrides)), resolve=True)

@@ -5,8 +5,8 @@ import pandas as pd
 import pytest
 
 from conftest import CONF, REPO
-from vlmprobe.estimate import device_profile
 from vlmprobe.errors import ConfigError
+from vlmprobe.gpu import device_profile
 
 MiB, GiB = 2**20, 2**30
 PROFILES = sorted(p.stem for p in (CONF / "device").glob("*.yaml") if p.stem != "none")
@@ -87,7 +87,7 @@ def test_a_cards_context_is_what_its_committed_runs_held_outside_the_allocator(c
     """nvidia-smi's per-process figure minus the allocator's peak reservation, in each committed run on the card
     (read after the steps; with no allocation retry the reservation still stood at its peak): the profile takes
     the largest, so predicted_device_bytes of those points is never below what NVML showed."""
-    from vlmprobe.results import gpu_check_runs, read_table
+    from vlmprobe.results.table import gpu_check_runs, read_table
 
     root = REPO / "results" / "gpu_check"
     runs = [run for run in gpu_check_runs(root) if run.relative_to(root).parts[0] == card_dir]
@@ -185,7 +185,7 @@ def test_the_row_says_which_card_it_was_estimated_for_and_nothing_without_one(pl
 
 
 def test_a_point_past_the_cards_memory_is_oom_exactly_as_with_device_memory(point):
-    from vlmprobe.worker import measure
+    from vlmprobe.point.measure import measure
 
     tiny = ["model=nanovlm_tiny", "measure.backend=estimate", "data.batch_size=2"]
     card = measure(point([*tiny, "device=a100_80gb", "device.total_memory=4MiB"]))
@@ -198,7 +198,7 @@ def test_a_point_past_the_cards_memory_is_oom_exactly_as_with_device_memory(poin
 
 
 def test_device_memory_below_the_card_is_the_capacity_the_point_runs_against(point):
-    from vlmprobe.worker import measure
+    from vlmprobe.point.measure import measure
 
     row = measure(point(["model=nanovlm_tiny", "measure.backend=estimate", "device=rtx3090",
                          "measure.device_memory=4MiB"]))
@@ -206,8 +206,8 @@ def test_device_memory_below_the_card_is_the_capacity_the_point_runs_against(poi
 
 
 def test_the_prediction_is_the_allocator_models_peak_reserved_plus_the_context(point, monkeypatch):
-    from vlmprobe.estimate.tracked import TrackerMeter
-    from vlmprobe.worker import measure
+    from vlmprobe.backends.estimate import TrackerMeter
+    from vlmprobe.point.measure import measure
 
     reserved = []
     original = TrackerMeter.reserved_peak
@@ -220,7 +220,7 @@ def test_the_prediction_is_the_allocator_models_peak_reserved_plus_the_context(p
 
 
 def test_the_reserved_peak_survives_the_phase_resets():
-    from vlmprobe.estimate.tracked import TrackerMeter
+    from vlmprobe.backends.estimate import TrackerMeter
     from vlmprobe.estimate.tracker import LiveBytesTracker
 
     meter = TrackerMeter(LiveBytesTracker(), None)
@@ -236,7 +236,7 @@ def test_the_reserved_peak_survives_the_phase_resets():
 
 
 def test_the_summary_shows_the_prediction_in_mib_and_gib_against_the_capacity():
-    from vlmprobe.report import on_the_card
+    from vlmprobe.results.report import on_the_card
 
     table = pd.DataFrame({"point_id": ["a", "b"], "device": ["rtx3090", "rtx3090"],
                           "peak_allocated_bytes": pd.array([10 * GiB, 30 * GiB], dtype="Int64"),

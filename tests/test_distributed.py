@@ -11,10 +11,12 @@ from hydra.utils import instantiate
 
 from conftest import real_run_that_agrees, run_cli
 from vlmprobe.distributed import options
-from vlmprobe.distributed.ranks import (RANK_VALUE_COLUMNS, measure_point, point_row, rank_groups, simulate_elsewhere,
-                                        simulate_rank)
 from vlmprobe.errors import ConfigError
-from vlmprobe.worker import DTYPES, build_spec, measure
+from vlmprobe.point.build import build_spec, DTYPES
+from vlmprobe.point.measure import measure
+from vlmprobe.point.rank import simulate_rank
+from vlmprobe.results.table import RANK_VALUE_COLUMNS
+from vlmprobe.run.ranks import run_ranks, point_row, rank_groups, simulate_elsewhere
 
 BYTES = [c for c in RANK_VALUE_COLUMNS if c.endswith("_bytes") and c not in (
     "peak_reserved_bytes", "last_step_peak_reserved_bytes", "peak_active_bytes", "nvml_used_bytes",
@@ -25,7 +27,7 @@ TINY = ["data.batch_size=2", "data.lm_max_length=64"]
 @pytest.fixture
 def run_dist(point):
     """run_dist(overrides) -> the outputs of a distributed point (rank rows under "ranks")."""
-    return lambda overrides: measure_point(point(overrides), measure, dict(__import__("os").environ))
+    return lambda overrides: run_ranks(point(overrides), dict(__import__("os").environ))
 
 
 def by_rank(outputs):
@@ -94,10 +96,10 @@ def test_ddp_grads_as_bucket_views_hold_one_copy_of_the_grads_less(run_dist, poi
 
 def real_local_shapes(point_cfg, rank, world):
     """Each parameter's local shard shape on `rank`, from the real fully_shard on a meta model."""
-    from vlmprobe.distributed.engines import FSDP2Engine
+    from vlmprobe.distributed.torch_engines import FSDP2Engine
     from vlmprobe.distributed.process_group import fake_group
     from vlmprobe.knobs import apply_knobs
-    from vlmprobe.worker import build_spec
+    from vlmprobe.point.build import build_spec
 
     spec = build_spec(point_cfg["model"])
     model = spec.build(torch.device("meta"), torch.float32, init=False)
@@ -114,7 +116,7 @@ def test_a_rank_simulated_in_a_forked_child_equals_one_in_a_fresh_interpreter_an
     cfg = point(["model=nanovlm_tiny", *TINY, "dist=fsdp2", "dist.world_size=2", "measure.backend=estimate"])
     forked = simulate_elsewhere(cfg, 1, fork=True)
     fresh = simulate_elsewhere(cfg, 1, fork=False)
-    here = simulate_rank(cfg, 1, measure)
+    here = simulate_rank(cfg, 1)
     assert forked["status"] == fresh["status"] == here["status"] == "ok", (forked.get("error"), fresh.get("error"))
     assert {k: forked.get(k) for k in BYTES} == {k: fresh.get(k) for k in BYTES} == {k: here.get(k) for k in BYTES}
     assert forked["peak_allocated_bytes"] > 0
@@ -338,7 +340,7 @@ def test_a_launched_rank_whose_measurement_raises_writes_its_error_row_and_leave
     import subprocess
     import sys
 
-    from vlmprobe.distributed.launcher import FAILED_EXIT
+    from vlmprobe.point.rank import FAILED_EXIT
 
     request = tmp_path / "point.json"
     request.write_text(json.dumps({"measure": {"backend": "cpu"}}))
@@ -347,9 +349,10 @@ def test_a_launched_rank_whose_measurement_raises_writes_its_error_row_and_leave
         port = s.getsockname()[1]
     env = {**__import__("os").environ, "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1",
            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
-    code = ("import sys; from pathlib import Path; from vlmprobe.distributed.launcher import run_rank\n"
+    code = ("import sys; from pathlib import Path; from vlmprobe.point import rank\n"
             "def measure(point): raise RuntimeError('tracing error at step 3:\\nexpected another parameter')\n"
-            "sys.exit(run_rank(Path(sys.argv[1]), measure))")
+            "rank.measure = measure\n"
+            "sys.exit(rank.run_rank(Path(sys.argv[1])))")
     proc = subprocess.run([sys.executable, "-c", code, str(request)], env=env, capture_output=True, text=True,
                           timeout=120)
     assert proc.returncode == FAILED_EXIT, proc.stderr[-2000:]

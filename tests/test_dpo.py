@@ -10,9 +10,9 @@ from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
 from conftest import CONF, ZERO3_SMALL_BUCKETS, load_script, ranks_of, real_run_that_agrees, tiny_qwen_rows
+from vlmprobe.config.plan import plan_overrides
 from vlmprobe.errors import ConfigError
-from vlmprobe.plan import plan_overrides
-from vlmprobe.worker import measure
+from vlmprobe.point.measure import measure
 
 TINY = ["model=qwen2_5_vl_tiny", "step=dpo", "data.lm_max_length=40", "data.batch_size=2",
         "step.completion_length=16", "measure.steps=1"]

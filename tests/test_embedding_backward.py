@@ -1,10 +1,10 @@
-"""The embedding backward's index and partial-sum buffers on CUDA's sorting path (vlmprobe.estimate.embedding_backward),
+"""The embedding backward's index and partial-sum buffers on CUDA's sorting path (vlmprobe.estimate.cuda_rules.embedding_backward),
 against the allocations the H200 run recorded and hand counts of EmbeddingBackwardKernel.cu's sizes."""
 
 import torch
 
 from conftest import h200_requests
-from vlmprobe.estimate.embedding_backward import scratch
+from vlmprobe.estimate.cuda_rules.embedding_backward import scratch
 from vlmprobe.estimate.tracker import LiveBytesTracker
 
 BACKWARD = torch.ops.aten.embedding_dense_backward.default

@@ -3,7 +3,7 @@ identical, which proves the fake bookkeeping (the accuracy against CUDA is scrip
 
 import pytest
 
-from vlmprobe.worker import measure
+from vlmprobe.point.measure import measure
 
 BYTE_COLUMNS = ("peak_allocated_bytes", "last_step_peak_allocated_bytes", "forward_peak_bytes", "backward_peak_bytes",
                 "optimizer_peak_bytes", "after_load_bytes", "after_step_bytes", "activations_bytes", "grads_bytes", "optimizer_state_bytes",

@@ -9,7 +9,7 @@ import pandas as pd
 import pytest
 
 from conftest import REPO, load_script, requested
-from vlmprobe.results import gpu_check_runs, superseded
+from vlmprobe.results.table import gpu_check_runs, superseded
 
 CUDA_RUNS = gpu_check_runs(REPO / "results" / "gpu_check") + gpu_check_runs(REPO / "results" / "gpu_check", part="allocator")
 TOLERANCE = 0.5  # percent
@@ -41,11 +41,11 @@ RECORDED = _recorded()
 # The allocations a kernel makes for itself that the estimate does not model, as the recorded runs of batch 1 and 8 at
 # 512 on the H200 (torch 2.11) made them: size (bytes) -> how many times in its two steps. Which kernel makes each is
 # read from the trace's order and sizes against PyTorch's sources, not confirmed on a GPU. Before they were modelled,
-# reductions' staging buffers (vlmprobe.estimate.reduction_staging) were 220 buffers and their 220 semaphores of batch
-# 8's, cuDNN attention's seeds, offsets and workspaces (vlmprobe.estimate.attention_scratch) 168 + 84 + 84 of each,
-# the embedding backward's index and partial-sum buffers (vlmprobe.estimate.embedding_backward) 22 of batch 8's, and
+# reductions' staging buffers (vlmprobe.estimate.cuda_rules.reduction_staging) were 220 buffers and their 220 semaphores of batch
+# 8's, cuDNN attention's seeds, offsets and workspaces (vlmprobe.estimate.cuda_rules.attention_scratch) 168 + 84 + 84 of each,
+# the embedding backward's index and partial-sum buffers (vlmprobe.estimate.cuda_rules.embedding_backward) 22 of batch 8's, and
 # max()'s copy of the positions expanded over the batch and advanced indexing's copies of the image rows
-# (vlmprobe.estimate.kernel_copies) 2 and 6.
+# (vlmprobe.estimate.cuda_rules.kernel_copies) 2 and 6.
 KERNEL_SCRATCH = {("nvidia-h200", "data.batch_size=1,data.lm_max_length=512,measure.alloc_conf=null"): {
     4249616: 2, 4249744: 2,  # cuDNN's convolution workspaces (forward, backward): its chosen algorithm's, once a step
     1048576: 1,  # torch 2.11's cuBLASLt workspace, one a process (2.13 shares cuBLAS's: conf/device/h200.yaml)
@@ -96,7 +96,7 @@ def _estimate_requests(point_id: str, overrides: list[str], plan_points, events:
     (`events`: the allocator_events fixture)."""
     from collections import Counter
 
-    from vlmprobe.worker import measure
+    from vlmprobe.point.measure import measure
 
     (planned,) = [p for p in plan_points(overrides) if p.point.id == point_id]
     outputs = measure(planned.config)

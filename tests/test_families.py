@@ -10,7 +10,7 @@ from hydra.utils import instantiate
 from conftest import real_run_that_agrees
 from vlmprobe.errors import ConfigError
 from vlmprobe.models.base import DataShape, count_params
-from vlmprobe.worker import measure
+from vlmprobe.point.measure import measure
 
 FAMILIES = {  # tiny config -> data that fits it (the images take 16 tokens in each, 20 in
     # idefics3_tiny and internvl_tiny, one per image in mllama_tiny)
@@ -198,7 +198,7 @@ def test_lora_adapts_the_lms_attention_and_freezes_only_the_base_lm(plan_points,
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_fsdp2_wraps_every_block_of_both_towers(built, family):
-    from vlmprobe.distributed.engines import tower_blocks
+    from vlmprobe.distributed.torch_engines import tower_blocks
 
     spec, model = built(family)
     blocks = tower_blocks(spec, model)
@@ -211,11 +211,11 @@ def test_fsdp2_wraps_every_block_of_both_towers(built, family):
 def test_fsdp2_estimate_equals_real_gloo_ranks_to_the_byte(point, family):
     import os
 
-    from vlmprobe.distributed.ranks import measure_point
+    from vlmprobe.run.ranks import run_ranks
 
     def ranks(backend):
         cfg = point([f"model={family}", *FAMILIES[family], "dist=fsdp2", "dist.world_size=2", f"measure.backend={backend}"])
-        outputs = measure_point(cfg, measure, dict(os.environ))
+        outputs = run_ranks(cfg, dict(os.environ))
         assert outputs["status"] == "ok", outputs.get("error")
         return {r["rank"]: {k: r.get(k) for k in BYTE_COLUMNS} for r in outputs["ranks"]}
 
@@ -236,9 +236,9 @@ def test_every_transformers_family_imports_the_modules_the_estimate_answers_in_w
     import subprocess
     import sys
 
-    from vlmprobe.models.hf import families
+    from vlmprobe.models.hf import FAMILIES
 
-    modules = sorted({cls.__module__ for cls in families().values()})
+    modules = sorted({f"vlmprobe.models.{path.rpartition('.')[0]}" for path in FAMILIES.values()})
     code = ("import importlib, sys\n"
             "from vlmprobe.models.base import TRANSFORMERS_MODULES\n"
             "for family in sys.argv[1:]:\n"

@@ -170,7 +170,7 @@ def test_a_training_step_with_fake_tensor_modes_cache_cross_check_on_finds_no_di
     """FakeTensorMode's own check: every cache hit is compared with a fresh dispatch of the op (it raises on any
     difference in the output's metadata), over a whole step: forward, backward, AdamW's foreach ops. (torch's
     own patch of its config: monkeypatch's undo left the key unreadable under CI's pytest 9.2.0)"""
-    from vlmprobe.worker import measure
+    from vlmprobe.point.measure import measure
 
     config = point(["model=nanovlm_tiny", "data.lm_max_length=32", "measure.backend=estimate"])
     hits = FakeTensorMode.cache_hits

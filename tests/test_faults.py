@@ -25,7 +25,7 @@ from pathlib import Path
 import pandas as pd
 
 from conftest import REPO
-from vlmprobe.results import read_table
+from vlmprobe.results.table import read_table
 
 SWEEP = ["+sweep=smoke", "measure.steps=1", "measure.backend=estimate"]  # POINTS points of the tiny nanoVLM
 FAULTS = 4

@@ -6,7 +6,7 @@ import pandas as pd
 import pytest
 
 from conftest import run_cli
-from vlmprobe.find import fits, largest_fitting
+from vlmprobe.run.max_batch import fits, largest_fitting
 
 
 def threshold_probe(limit, calls):
@@ -63,7 +63,7 @@ def test_max_batch_without_a_budget_is_one_clear_line(tmp_path):
 def test_a_card_without_a_budget_is_searched_against_its_whole_memory(compose):
     from omegaconf import OmegaConf
 
-    from vlmprobe.find import MaxBatchSearch
+    from vlmprobe.run.max_batch import MaxBatchSearch
 
     overrides = ["+find=max_batch", "model=nanovlm_tiny", "device=rtx3090", "measure.backend=estimate"]
     search = MaxBatchSearch(compose, overrides, OmegaConf.to_container(compose(overrides), resolve=True))

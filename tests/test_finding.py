@@ -7,9 +7,9 @@ import pandas as pd
 import pytest
 
 from conftest import REPO, run_cli
-from vlmprobe import reference
-from vlmprobe.report import write_reports
-from vlmprobe.results import columns_for
+from vlmprobe.results import published as reference
+from vlmprobe.results.report import write_reports
+from vlmprobe.results.table import columns_for
 
 MiB = 2**20
 # FACTS.md section 1, typed by hand: (batch, lm_max_length) -> MiB, or the word the table has instead
@@ -38,7 +38,7 @@ def write_results(out_dir, peaks, backend="cuda", **setup):
 
 
 def check(out_dir):
-    return subprocess.run([sys.executable, "-m", "vlmprobe.check", str(out_dir)], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "vlmprobe.results.finding", str(out_dir)], capture_output=True, text=True,
                           cwd=REPO, timeout=120)
 
 

@@ -10,9 +10,9 @@ import torch
 
 from vlmprobe import backends
 from vlmprobe.errors import ConfigError
-from vlmprobe.estimate import flash_attn_standin
-from vlmprobe.estimate.flash_attn_standin import flash_attn_func, flash_attn_varlen_func
-from vlmprobe.worker import measure
+from vlmprobe.estimate.cuda_rules import flash_attn_standin
+from vlmprobe.estimate.cuda_rules.flash_attn_standin import flash_attn_func, flash_attn_varlen_func
+from vlmprobe.point.measure import measure
 
 BF16, FP32, I64 = 2, 4, 8
 

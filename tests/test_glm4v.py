@@ -10,7 +10,7 @@ from conftest import meta_counts
 from hand_counts import glm4_lm_params, glm4_moe_lm_params, glm4v_vision_params
 from vlmprobe.errors import ConfigError
 from vlmprobe.models.base import DataShape
-from vlmprobe.worker import measure
+from vlmprobe.point.measure import measure
 
 CPU = torch.device("cpu")
 

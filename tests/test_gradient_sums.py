@@ -1,5 +1,5 @@
 """The autograd engine's sums of two gradients of one tensor: charged in place where the engine of a real run (no
-dispatch mode) adds in place, and as a new block where it does not (vlmprobe.estimate.gradient_sums)."""
+dispatch mode) adds in place, and as a new block where it does not (vlmprobe.estimate.cuda_rules.gradient_sums)."""
 
 import contextlib
 

@@ -1,7 +1,7 @@
 import pytest
 
+from vlmprobe.config.grid import Point, expand, flatten_axes
 from vlmprobe.errors import ConfigError
-from vlmprobe.grid import Point, expand, flatten_axes
 
 
 def test_expand_is_the_cartesian_product_with_the_first_axis_slowest():
@@ -56,7 +56,7 @@ def test_a_case_that_picks_a_group_option_sets_that_options_own_keys(plan_points
 def test_a_cases_sweep_plots_one_bar_per_case(tmp_path):
     import pandas as pd
 
-    from vlmprobe.report import plot
+    from vlmprobe.results.report import plot
 
     table = pd.DataFrame({"sweep": "knobs", "model": "m", "backend": "estimate", "case": ["baseline", "optimizer=sgd", "x"],
                           "status": ["ok", "ok", "oom"], "peak_allocated_bytes": [2**30, 2**29, None]})

@@ -8,8 +8,8 @@ from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
 from conftest import CONF, ZERO3_SMALL_BUCKETS, ranks_of, real_run_that_agrees, tiny_qwen_rows
-from vlmprobe.plan import plan_overrides
-from vlmprobe.worker import measure
+from vlmprobe.config.plan import plan_overrides
+from vlmprobe.point.measure import measure
 
 TINY = ["model=qwen2_5_vl_tiny", "step=grpo", "data.lm_max_length=40", "data.batch_size=4",
         "step.max_completion_length=16", "measure.steps=1"]

@@ -18,7 +18,7 @@ import torch
 from conftest import TESTS
 from vlmprobe.errors import ConfigError
 from vlmprobe.models.base import count_params
-from vlmprobe.worker import measure
+from vlmprobe.point.measure import measure
 
 DATA = TESTS / "data" / "hf"
 # keys a config.json may carry that transformers keeps but no model reads (the Hub files have them)
@@ -44,7 +44,7 @@ def flat(config: dict, prefix: str = "") -> dict:
 
 @pytest.fixture
 def spec(compose):
-    from vlmprobe.worker import build_spec  # as the planner and the worker build it (a ConfigError stays one)
+    from vlmprobe.point.build import build_spec  # as the planner and the worker build it (a ConfigError stays one
 
     return lambda *overrides: build_spec(compose(list(overrides)).model)
 
@@ -168,7 +168,7 @@ def test_a_config_path_that_cannot_be_used_is_one_line(plan_points, tmp_path, ca
 
 
 def test_the_cli_refuses_a_missing_config_in_one_line_and_writes_nothing(tmp_path, monkeypatch, capsys):
-    from vlmprobe.__main__ import main
+    from vlmprobe.cli import main
 
     monkeypatch.chdir(tmp_path)
     code = main(["model=hf", f"model.config={tmp_path / 'nowhere'}", f"results_dir={tmp_path / 'r'}"])

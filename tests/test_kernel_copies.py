@@ -1,4 +1,4 @@
-"""Contiguous copies CUDA kernels make of their inputs inside an op (vlmprobe.estimate.kernel_copies), charged by the
+"""Contiguous copies CUDA kernels make of their inputs inside an op (vlmprobe.estimate.cuda_rules.kernel_copies), charged by the
 tracker for the op's duration, against hand counts."""
 
 import torch
@@ -51,7 +51,7 @@ def test_the_max_of_positions_expanded_over_the_batch_copies_them_after_its_outp
 
 
 def test_the_copy_max_makes_comes_after_its_output_and_a_layer_norms_before():
-    from vlmprobe.estimate import kernel_copies
+    from vlmprobe.estimate.cuda_rules import kernel_copies
 
     expanded = torch.zeros(1, 512).expand(8, -1)
     assert kernel_copies.copies(torch.ops.aten.max.default, (expanded,)) == ([], [8 * 512 * 4])
@@ -68,7 +68,7 @@ def _image_indices(batch: int, count: int):
 
 
 def test_two_index_tensors_of_different_strides_are_each_made_contiguous_around_the_indexing():
-    from vlmprobe.estimate import kernel_copies
+    from vlmprobe.estimate.cuda_rules import kernel_copies
 
     rows, columns = _image_indices(8, 49)
     copy = 8 * 49 * 8  # the expanded rows in int64: 3,136 B, what the H200 trace holds at batch 8

@@ -6,7 +6,7 @@ import torch
 from hydra.utils import instantiate
 
 from vlmprobe.models.base import count_params
-from vlmprobe.worker import measure
+from vlmprobe.point.measure import measure
 
 BASE = ["model=nanovlm_tiny", "data.batch_size=2", "data.lm_max_length=64", "measure.backend=estimate"]
 MODEL = ("params_bytes",)

@@ -16,10 +16,12 @@ import pandas as pd
 import pytest
 
 from conftest import REPO, run_cli
-from vlmprobe import child, launchers
-from vlmprobe import sweep as sweep_module
-from vlmprobe.__main__ import main
+from vlmprobe import child
+from vlmprobe.cli import main
 from vlmprobe.errors import ConfigError
+from vlmprobe.run import launchers
+from vlmprobe.run import workers as worker_processes
+from vlmprobe.run.pool import Pool
 
 SMOKE = ["+sweep=smoke", "measure.backend=estimate", "measure.steps=1"]  # 4 points of the tiny nanoVLM
 POOL = ["launcher=pool", "launcher.jobs=2"]
@@ -164,8 +166,6 @@ def test_auto_pools_points_where_more_than_one_can_run_at_once_else_runs_them_lo
 def test_pool_on_cuda_pins_each_running_worker_to_a_gpu_no_other_worker_holds(monkeypatch):
     from types import SimpleNamespace
 
-    from vlmprobe import sweep
-
     lock, holding, seen = threading.Lock(), set(), []
 
     def call_worker(config, env, timeout, children):  # stands in for a worker process: holds its GPU a while
@@ -179,7 +179,7 @@ def test_pool_on_cuda_pins_each_running_worker_to_a_gpu_no_other_worker_holds(mo
             holding.discard(gpu)
         return {"status": "ok"}
 
-    monkeypatch.setattr(sweep, "call_worker", call_worker)
+    monkeypatch.setattr(worker_processes, "call_worker", call_worker)
     measure = {"timeout_s": 10, "alloc_conf": None, "backend": "cuda", "isolate": "auto"}  # a fresh worker per point
     items = [SimpleNamespace(config={"measure": measure}, point=SimpleNamespace(id=str(i)))
              for i in range(8)]
@@ -187,11 +187,11 @@ def test_pool_on_cuda_pins_each_running_worker_to_a_gpu_no_other_worker_holds(mo
     runner = SimpleNamespace(with_snapshot_file=lambda item: item.config,
                              record=lambda item, out: recorded.append(item.point.id))
     bar = SimpleNamespace(update=lambda n: None, set_postfix_str=lambda s: None)
-    launchers._run_pool(items, runner, 2, bar, ["3", "5"])
+    Pool(items, runner, 2, bar, ["3", "5"]).run()
     assert sorted(recorded) == [str(i) for i in range(8)] and set(seen) == {"3", "5"} and len(seen) == 8
 
 
-class StandInWorker(sweep_module.ServingWorker):
+class StandInWorker(worker_processes.ServingWorker):
     """A serving worker without a process: each point it measures takes `seconds`; with `dies_after`, it is dead
     once it has measured that many (its next call is a crash row, as a dead worker's)."""
 
@@ -222,7 +222,7 @@ def stand_in_pool(monkeypatch, points=8, dies_after=None):
     """Run `points` stand-in points under launcher=pool with two workers: each point's status, and the workers."""
     from types import SimpleNamespace
 
-    monkeypatch.setattr(sweep_module, "ServingWorker", StandInWorker)
+    monkeypatch.setattr(worker_processes, "ServingWorker", StandInWorker)
     monkeypatch.setattr(StandInWorker, "dies_after", dies_after)
     monkeypatch.setattr(StandInWorker, "made", [])
     measure = {"timeout_s": 10, "alloc_conf": None, "backend": "estimate", "isolate": "auto"}  # no fresh process
@@ -232,7 +232,7 @@ def stand_in_pool(monkeypatch, points=8, dies_after=None):
     runner = SimpleNamespace(with_snapshot_file=lambda item: item.config,
                              record=lambda item, out: statuses.setdefault(item.point.id, out["status"]))
     bar = SimpleNamespace(update=lambda n: None, set_postfix_str=lambda s: None)
-    launchers._run_pool(items, runner, 2, bar, None)
+    Pool(items, runner, 2, bar, None).run()
     assert sorted(statuses) == [str(i) for i in range(points)]  # every point exactly once
     return statuses, StandInWorker.made
 
@@ -286,7 +286,7 @@ def test_submitit_without_its_package_says_how_to_install_it(monkeypatch, tmp_pa
 def test_a_sweep_may_be_resumed_under_another_launcher(tmp_path):
     from omegaconf import OmegaConf
 
-    from vlmprobe.__main__ import check_resume
+    from vlmprobe.run.resume import check_resume
 
     saved = {"results_dir": "results", "sweep": {"name": "smoke"}, "data": {"batch_size": 1},
              "launcher": {"name": "local"}}

@@ -10,7 +10,7 @@ from conftest import TESTS, image_features_of
 from hand_counts import llama_params
 from vlmprobe.errors import ConfigError
 from vlmprobe.models.base import IGNORE_INDEX, DataShape, count_params
-from vlmprobe.worker import measure
+from vlmprobe.point.measure import measure
 
 CPU = torch.device("cpu")
 HF = TESTS / "data" / "hf"

@@ -24,7 +24,7 @@ def test_batch_shapes_and_labels_match_a_hand_computation(spec):
 
 
 def test_hold_outputs_keeps_the_logits_alive_through_backward_and_the_optimizer_step(point):
-    from vlmprobe.worker import measure
+    from vlmprobe.point.measure import measure
 
     base = ["model=nanovlm_tiny", "data.batch_size=4", "data.lm_max_length=64", "measure.backend=estimate",
             "train.autocast_dtype=null"]
@@ -106,7 +106,7 @@ def test_building_without_init_calls_no_torch_init_function_and_restores_them(sp
 def test_a_bad_max_position_embeddings_is_refused_in_one_line_before_any_point_runs(value):
     """Read only in the forward (where RoPE's frequencies stretch past it): without the check a bad value
     surfaced as every point's error row."""
-    from vlmprobe.plan import plan_overrides
+    from vlmprobe.config.plan import plan_overrides
 
     with pytest.raises(ConfigError, match=rf"^model.text.max_position_embeddings={value!r} is not allowed: give "
                                           rf"the positions RoPE covers, a positive integer"):

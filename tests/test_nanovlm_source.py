@@ -18,9 +18,9 @@ import textwrap
 import pytest
 
 from conftest import REPO
+from vlmprobe.config.plan import plan_overrides
 from vlmprobe.errors import ConfigError
-from vlmprobe.plan import plan_overrides
-from vlmprobe.worker import measure
+from vlmprobe.point.measure import measure
 
 CONFIG = '''
 from dataclasses import dataclass

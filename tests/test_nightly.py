@@ -9,7 +9,7 @@ import pytest
 import yaml
 
 from conftest import REPO
-from vlmprobe.compare import device_slug
+from vlmprobe.results.compare import device_slug
 
 WORKFLOW = REPO / ".github" / "workflows" / "nightly.yml"
 SCRIPT = REPO / "scripts" / "nightly.sh"

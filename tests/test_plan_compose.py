@@ -6,8 +6,8 @@ import time
 import pytest
 from omegaconf import OmegaConf
 
+from vlmprobe.config.plan import Composer, grid_points
 from vlmprobe.errors import ConfigError
-from vlmprobe.plan import Composer, grid_points
 
 SWEEPS = {
     # cases that choose a group option (optimizer=...), set a value inside a group (model.attn_implementation), set

@@ -10,9 +10,9 @@ import torch
 from hydra.utils import instantiate
 
 from vlmprobe.backends import get
+from vlmprobe.point.measure import measure
 from vlmprobe.quantization import bnb_standin
 from vlmprobe.quantization.accounting import block, kept_bytes, layer_bytes
-from vlmprobe.worker import measure
 
 NF4 = {"quantization": "nf4", "quantization_double_quant": True, "quantization_compute_dtype": "bfloat16", "lora_r": 8}
 INT8 = {**NF4, "quantization": "int8"}

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from vlmprobe.errors import ConfigError
 from vlmprobe.models.base import DataShape, count_params
 from vlmprobe.models.qwen2_vl import IGNORE_INDEX, smart_resize
-from vlmprobe.worker import measure
+from vlmprobe.point.measure import measure
 
 CPU = torch.device("cpu")
 MIN_PIXELS, MAX_PIXELS = 3136, 12845056  # Qwen2-VL's preprocessor_config.json

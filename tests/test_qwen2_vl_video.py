@@ -13,7 +13,7 @@ import torch
 
 from vlmprobe.errors import ConfigError
 from vlmprobe.models.base import DataShape
-from vlmprobe.worker import measure
+from vlmprobe.point.measure import measure
 
 CPU = torch.device("cpu")
 TESTS_DATA = Path(__file__).parent / "data" / "hf"
@@ -227,7 +227,7 @@ def test_model_hf_takes_the_video_bounds_where_transformers_video_processor_load
     import json
     import shutil
 
-    from vlmprobe.worker import build_spec
+    from vlmprobe.point.build import build_spec
 
     shutil.copy(TESTS_DATA / "qwen2_vl_tiny" / "config.json", tmp_path / "config.json")
 

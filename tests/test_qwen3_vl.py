@@ -10,7 +10,7 @@ from conftest import meta_counts
 from hand_counts import qk_norm_lm_params, qwen3_vl_vision_params
 from vlmprobe.errors import ConfigError
 from vlmprobe.models.base import DataShape
-from vlmprobe.worker import measure
+from vlmprobe.point.measure import measure
 
 CPU = torch.device("cpu")
 MIN_PIXELS, MAX_PIXELS = 65536, 16777216  # Qwen3-VL's preprocessor_config.json (size.shortest_edge / longest_edge)

@@ -12,9 +12,9 @@ from conftest import meta_counts
 from hand_counts import qwen3_moe_lm_params, qwen3_vl_vision_params
 from test_families import BYTE_COLUMNS
 from vlmprobe.errors import ConfigError
-from vlmprobe.estimate.grouped_mm import cuda_grouped_mm
+from vlmprobe.estimate.cuda_rules.grouped_mm import cuda_grouped_mm
 from vlmprobe.models.base import DataShape
-from vlmprobe.worker import measure
+from vlmprobe.point.measure import measure
 
 GROUPED_MM = torch.ops.aten._grouped_mm.default
 
@@ -51,7 +51,7 @@ def grouped_mm_outputs(spec, fake: bool) -> list:
     (CUDA's autocast op policy), on real CPU tensors or on fake ones with the estimate's grouped_mm rule."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from vlmprobe.estimate.autocast_policy import cuda_autocast_policy
+    from vlmprobe.estimate.cuda_rules.autocast_policy import cuda_autocast_policy
 
     qwen = spec("qwen3_vl_moe_tiny")
     data = DataShape(batch_size=2, lm_max_length=48)

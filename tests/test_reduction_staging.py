@@ -1,14 +1,15 @@
 """The staging buffer CUDA's reduction kernel allocates when one reduction spans several blocks
-(vlmprobe.estimate.reduction_staging), against the allocations a recorded H200 run made and hand counts of
+(vlmprobe.estimate.cuda_rules.reduction_staging), against the allocations a recorded H200 run made and hand counts of
 Reduce.cuh's setReduceConfig."""
 
 import pytest
 import torch
 
 from conftest import REPO, h200_requests, requested
-from vlmprobe.estimate import device_profile
-from vlmprobe.estimate.reduction_staging import Card, iterator, staging
+from vlmprobe.backends.estimate import reduction_card
+from vlmprobe.estimate.cuda_rules.reduction_staging import Card, iterator, staging
 from vlmprobe.estimate.tracker import LiveBytesTracker
+from vlmprobe.gpu import device_profile
 
 aten = torch.ops.aten
 H200 = Card(multiprocessors=132, max_threads_per_multiprocessor=2048)
@@ -136,5 +137,5 @@ def test_a_profiles_card_holds_the_threads_its_architecture_does(key):
     card = device_profile.load(key)
     threads = {(7, 5): 1024, (8, 6): 1536, (8, 9): 1536, (12, 0): 1536}.get(card.compute_capability, 2048)
     assert card.max_threads_per_multiprocessor == threads
-    assert device_profile.reduction_card(card) == Card(card.multiprocessors, card.max_threads_per_multiprocessor)
-    assert device_profile.reduction_card(None) is None
+    assert reduction_card(card) == Card(card.multiprocessors, card.max_threads_per_multiprocessor)
+    assert reduction_card(None) is None

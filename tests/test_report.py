@@ -9,9 +9,9 @@ import pandas as pd
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from vlmprobe import report
-from vlmprobe.report import write_reports
-from vlmprobe.results import RowWriter, axis_column, columns_for
+from vlmprobe.results import report
+from vlmprobe.results.report import write_reports
+from vlmprobe.results.table import RowWriter, axis_column, columns_for
 
 AXES = ["data.batch_size", "measure.alloc_conf", "train.autocast_dtype", "model.text.hidden_size",
         "train.lora_target_modules"]
@@ -83,7 +83,7 @@ def test_a_report_that_fails_costs_only_itself(tmp_path, monkeypatch):
 def test_host_memory_of_offloaded_points_is_shown_per_rank_in_gib():
     import pandas as pd
 
-    from vlmprobe.report import host_memory
+    from vlmprobe.results.report import host_memory
 
     table = pd.DataFrame({"point_id": ["offloaded", "kept"], "peak_allocated_bytes": [3 * 2**30, 5 * 2**30],
                           "peak_host_bytes": [int(1.5 * 2**30), None], "after_step_host_bytes": [2**30, None]})

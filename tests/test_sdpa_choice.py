@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from vlmprobe import backends
-from vlmprobe.estimate.sdpa_choice import cuda_kernel
+from vlmprobe.estimate.cuda_rules.sdpa_choice import cuda_kernel
 
 
 @pytest.mark.parametrize("dtype,head_dim,mask,grouped,kernel", [
@@ -47,7 +47,7 @@ def test_fp32_grouped_attention_keeps_the_attention_weights_as_cuda_math_does():
 
 
 def test_a_bias_of_another_dtype_than_the_query_is_refused_as_cuda_efficient_attention_refuses_it():
-    from vlmprobe.estimate.sdpa_choice import cuda_sdpa_choice
+    from vlmprobe.estimate.cuda_rules.sdpa_choice import cuda_sdpa_choice
 
     q = torch.zeros(1, 2, 16, 8, dtype=torch.bfloat16)
     with cuda_sdpa_choice():
@@ -62,7 +62,7 @@ def test_a_bias_of_another_dtype_than_the_query_is_refused_as_cuda_efficient_att
 # ---- the target card's kernels (device=): sdp_utils.cpp's hardware and dtype checks ----
 
 def card(key):
-    from vlmprobe.estimate import device_profile
+    from vlmprobe.gpu import device_profile
 
     return device_profile.load(key)
 
@@ -148,7 +148,7 @@ def test_a_mask_whose_rows_are_not_a_multiple_of_8_is_copied_padded_once_per_mem
         kept, _ = masked_attention_bytes(None, side, layers)
         assert kept == layers * (plain + padded)
         # a card that puts cuDNN first (sm90) hands the mask to cuDNN as it is: no copy; cuDNN keeps its seed and
-        # offset for backward instead (an int64 each, a 512 B block each: vlmprobe.estimate.attention_scratch)
+        # offset for backward instead (an int64 each, a 512 B block each: vlmprobe.estimate.cuda_rules.attention_scratch)
         assert masked_attention_bytes(card("h100_80gb"), side, layers)[0] == layers * (plain + 2 * 512)
 
 

@@ -1,5 +1,5 @@
 """The estimate replays a plain point's later forward and backward from the first step's allocations
-(vlmprobe.estimate.step_replay). Checked against running every step: on fake tensors with the replay off, and on
+(vlmprobe.estimate.replay.steps). Checked against running every step: on fake tensors with the replay off, and on
 the cpu backend's real tensors, which never replay (tests/test_estimate.py compares that backend on the real
 families' configs)."""
 
@@ -12,12 +12,12 @@ import torch
 from torch import nn
 
 from vlmprobe import backends
-from vlmprobe.distributed.engines import Engine
-from vlmprobe.estimate import step_replay
-from vlmprobe.estimate.tracked import TrackedBackend
+from vlmprobe.backends.estimate import EstimateBackend
+from vlmprobe.distributed.base import Engine
+from vlmprobe.estimate.replay import steps as step_replay
+from vlmprobe.point.measure import measure
 from vlmprobe.steps.common import StepReport
 from vlmprobe.steps.sft import train_steps
-from vlmprobe.worker import measure
 
 from test_estimate import BYTE_COLUMNS
 
@@ -70,7 +70,7 @@ def test_replayed_steps_give_the_figures_of_running_every_step(point, monkeypatc
                  f"measure.hold_outputs={hold}", "measure.backend=estimate"]
     replayed = measure(point(overrides))
     assert plans == [True]  # the plain step is replayed, not quietly run: the speed-up is there
-    monkeypatch.setattr(TrackedBackend, "step_replay", lambda self, meter, engine, towers=(): None)
+    monkeypatch.setattr(EstimateBackend, "step_replay", lambda self, meter, engine, towers=(): None)
     run = measure(point(overrides))
     assert replayed["status"] == run["status"] == "ok"
     assert {k: replayed[k] for k in BYTE_COLUMNS} == {k: run[k] for k in BYTE_COLUMNS}

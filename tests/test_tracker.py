@@ -1,7 +1,8 @@
 import pytest
 import torch
 
-from vlmprobe.estimate.tracker import LiveBytesTracker, segment_bytes_in_message
+from vlmprobe.estimate.tracker import LiveBytesTracker
+from vlmprobe.sizes import segment_bytes_in_message
 
 
 def test_counts_new_storages_until_they_die_and_keeps_the_peak():

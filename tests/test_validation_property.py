@@ -1,7 +1,7 @@
 """Property: any set of overrides of any config key, with values of the wrong type, sign or size, ends in
 exit 0 or 2, never a traceback; a 2 is at most 2 lines on stderr, and a refused command writes nothing.
 
-Driven in-process through the CLI's own entry (vlmprobe.__main__.main) with dry_run=true, so validation
+Driven in-process through the CLI's own entry (vlmprobe.cli.main) with dry_run=true, so validation
 runs in full and no point does; test_cli.py runs bad input through the real command.
 """
 
@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from omegaconf import OmegaConf
 
 from conftest import CONF
-from vlmprobe.__main__ import main
+from vlmprobe.cli import main
 
 MODELS = ["nanovlm_tiny", "qwen2_vl_tiny"]  # every key of these two; the big models' keys are the same names
 OPTIMIZERS = sorted(p.stem for p in (CONF / "optimizer").glob("*.yaml"))

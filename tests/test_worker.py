@@ -6,8 +6,9 @@ import pytest
 
 from conftest import TESTS
 from vlmprobe import child
-from vlmprobe.sweep import ServingWorker, run_point, worker_env
-from vlmprobe.worker import measure
+from vlmprobe.point.measure import measure
+from vlmprobe.run.sweep import run_point
+from vlmprobe.run.workers import ServingWorker, worker_env
 
 TINY = ["model=nanovlm_tiny", "data.lm_max_length=32", "measure.backend=cpu"]
 
@@ -113,7 +114,7 @@ def test_out_of_memory_outside_the_caching_allocator_is_an_oom_row(point, faulty
 def test_out_of_memory_is_recognised_by_what_cuda_and_its_libraries_say(exc, oom):
     import torch
 
-    from vlmprobe.worker import is_out_of_memory
+    from vlmprobe.point.measure import is_out_of_memory
 
     assert is_out_of_memory(exc) is oom
     assert is_out_of_memory(torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 MiB"))
@@ -122,7 +123,7 @@ def test_out_of_memory_is_recognised_by_what_cuda_and_its_libraries_say(exc, oom
 @pytest.mark.parametrize("inherited", [{}, {"PYTORCH_ALLOC_CONF": "backend:cudaMallocAsync"},
                                        {"PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:128"}])
 def test_the_worker_gets_exactly_the_configured_allocator_settings_under_both_names(point, monkeypatch, inherited):
-    from vlmprobe.sweep import worker_env
+    from vlmprobe.run.workers import worker_env
 
     for name, value in inherited.items():
         monkeypatch.setenv(name, value)

@@ -20,6 +20,8 @@ import subprocess
 import sys
 import threading
 
+__all__ = ["Children", "FORKS", "kill_group", "run", "run_forked", "start", "start_forked", "while_waiting"]
+
 
 # Where a child may be a fork of this process without exec: Linux. (macOS's system libraries are not safe to use
 # in a forked child; Windows has no fork.) Elsewhere a child is a fresh interpreter.
@@ -206,7 +208,7 @@ class Forked:
 def start_forked(target, env: dict, children: Children | None = None) -> Forked:
     """start() for `target()` run in a child forked from this process, with `env` as its environment: no
     interpreter to start and nothing to import again. Fork only where no other thread of this process is inside
-    torch or a tracked session: the child is a copy of this process as it stands (vlmprobe.launchers forks its
+    torch or an estimate session: the child is a copy of this process as it stands (vlmprobe.run.pool forks its
     workers so). The child ends when target returns (0), raises (1, the traceback on stderr) or exits."""
     ends = [os.pipe() for _ in range(3)]  # stdin, stdout, stderr: (read, write) each
     grouped_r, grouped_w = os.pipe()

@@ -14,6 +14,8 @@ import tempfile
 import traceback
 from pathlib import Path
 
+__all__ = ["ConfigError", "first_line", "log_internal_error", "refused", "require_counts", "require_flags", "whole"]
+
 LOG_NAME = "vlmprobe-error.log"
 
 

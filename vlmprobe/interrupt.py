@@ -11,6 +11,8 @@ import signal
 import sys
 import threading
 
+__all__ = ["deferred", "received", "watching"]
+
 _received = False
 REDELIVER_S = 0.01  # after a Ctrl-C that a callback swallowed: time for the hook to return first
 

@@ -14,6 +14,8 @@ from vlmprobe.errors import ConfigError, require_counts, require_flags
 from vlmprobe.estimate.fake_patches import fake_modules_move_by_data
 from vlmprobe.models.base import is_transformers_model
 
+__all__ = ["adapters_disabled", "add_lora", "apply_knobs", "checkpoint_layers", "validate_knobs"]
+
 
 def apply_knobs(spec, model: nn.Module, train: dict) -> None:
     if not (any(train["grad_ckpt"].values()) or train["freeze_vision"] or train["freeze_lm"] or train["lora_r"]):
@@ -85,7 +87,7 @@ def add_lora(towers: dict[str, list[nn.Module]], train: dict) -> None:
     from peft import LoraConfig, inject_adapter_in_model
     from peft.tuners.tuners_utils import cast_adapter_dtype, check_target_module_exists
 
-    from vlmprobe.quantization.lora_layers import STANDIN_LORA
+    from vlmprobe.quantization.lora_layers import STANDIN_LORA  # imports peft: only where a point has LoRA
 
     parameters = list(train["lora_target_parameters"])
     config = LoraConfig(r=train["lora_r"], lora_alpha=train["lora_alpha"], lora_dropout=train["lora_dropout"],

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import argparse
 
-from vlmprobe.overrides import CONF
+from vlmprobe.paths import CONF
+
+__all__ = ["options", "positive_ints"]
 
 
 def positive_ints(text: str) -> list[int]:

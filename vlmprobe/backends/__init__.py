@@ -11,19 +11,14 @@
 
 from __future__ import annotations
 
-import importlib
-
+from vlmprobe.backends import cuda, estimate
 from vlmprobe.backends.base import Backend
 from vlmprobe.errors import ConfigError
 
+__all__ = ["NAMES", "get", "resolve"]
+
 NAMES = ("auto", "cuda", "cpu", "estimate")
-_MODULES = {"cuda": "vlmprobe.backends.cuda", "cpu": "vlmprobe.backends.cpu", "estimate": "vlmprobe.backends.estimate"}
-
-
-def cuda_unusable_reason() -> str | None:
-    from vlmprobe.backends.cuda import unusable_reason
-
-    return unusable_reason()
+BACKENDS = {"cuda": cuda.BACKEND, "cpu": estimate.CPU, "estimate": estimate.ESTIMATE}
 
 
 def resolve(name: str) -> tuple[str, str | None]:
@@ -32,7 +27,7 @@ def resolve(name: str) -> tuple[str, str | None]:
         raise ConfigError(f"measure.backend={name!r} is not allowed: use one of {', '.join(NAMES)}")
     if name not in ("auto", "cuda"):
         return name, None
-    reason = cuda_unusable_reason()
+    reason = cuda.unusable_reason()
     if name == "auto":
         if reason is None:
             return "cuda", None
@@ -44,4 +39,4 @@ def resolve(name: str) -> tuple[str, str | None]:
 
 def get(name: str) -> Backend:
     """The backend instance for a resolved name (cuda, cpu or estimate)."""
-    return importlib.import_module(_MODULES[name]).BACKEND
+    return BACKENDS[name]

@@ -7,9 +7,11 @@ import contextlib
 
 import torch
 
-from vlmprobe.estimate.alloc_conf import AllocatorSettings
-from vlmprobe.estimate.device_profile import DeviceProfile
-from vlmprobe.estimate.tracker import segment_bytes_in_message
+from vlmprobe.gpu.alloc_conf import AllocatorSettings
+from vlmprobe.gpu.device_profile import DeviceProfile
+from vlmprobe.sizes import segment_bytes_in_message
+
+__all__ = ["Backend"]
 
 
 class Backend(abc.ABC):
@@ -25,17 +27,15 @@ class Backend(abc.ABC):
         imposed. `capacity`: device bytes the point may use (an allocation past it raises OutOfMemoryError):
         the allocator model's capacity without a device, the caching allocator's limit on cuda.
         `record_history`: measure.record_history (off | alloc | all), for backends with allocation history.
-        `device`: the point's target card (vlmprobe.estimate.device_profile), or None.
+        `device`: the point's target card (vlmprobe.gpu.device_profile), or None.
         `settings`, `allowed_maximum`: measure.alloc_conf parsed, and the memory fraction's allowed maximum
-        (vlmprobe.estimate.alloc_conf), for backends that model the allocator; cuda's allocator reads the
+        (vlmprobe.gpu.alloc_conf), for backends that model the allocator; cuda's allocator reads the
         environment the sweep gave its worker."""
 
     def device(self) -> torch.device:
         return torch.device(self.device_type)
 
     def autocast(self, dtype: torch.dtype | None):
-        from vlmprobe.steps.common import autocast_factory
-
         return autocast_factory(self.device_type, dtype)
 
     def select_device(self, local_rank: int) -> None:
@@ -47,15 +47,15 @@ class Backend(abc.ABC):
 
     def load_model(self, meter, key: str | None, build):
         """(model, build peak) of the point: `build(mark)`'s (it calls `mark()` where it reads the build's peak),
-        or where this backend keeps built models, a kept one of the same `key` (vlmprobe.estimate.built_models;
+        or where this backend keeps built models, a kept one of the same `key` (vlmprobe.estimate.replay.built_models;
         None: never kept). Here every point builds its own."""
         return build(lambda: None)
 
     def step_replay(self, meter, engine, towers=()):
-        """What replays later training steps from the first one's allocations (vlmprobe.estimate.step_replay),
+        """What replays later training steps from the first one's allocations (vlmprobe.estimate.replay.steps),
         where this backend can and the engine repeats its steps alike; None: every step runs. `towers`: the
         model's lists of blocks that run one program (ModelSpec.repeated_blocks), replayed within the first step
-        (vlmprobe.estimate.block_replay)."""
+        (vlmprobe.estimate.replay.blocks)."""
         return None
 
     def oom_columns(self, meter, message: str) -> dict:
@@ -66,7 +66,7 @@ class Backend(abc.ABC):
 
     def predicted_device_bytes(self, meter, device: DeviceProfile | None) -> int | None:
         """What the target card would show in use at the point's peak, where this backend predicts rather
-        than measures it (vlmprobe.estimate.device_profile.predicted_device_bytes); None here."""
+        than measures it (vlmprobe.gpu.device_profile.predicted_device_bytes); None here."""
         return None
 
     def final_stats(self, meter) -> dict:
@@ -76,3 +76,10 @@ class Backend(abc.ABC):
     def describe(self) -> dict:
         """Provenance for env.json: what the figures were taken on."""
         return {"backend": self.name}
+
+
+def autocast_factory(device_type: str, dtype: torch.dtype | None):
+    """A zero-arg factory of the forward's autocast context (a no-op context without autocast)."""
+    if dtype is None:
+        return contextlib.nullcontext
+    return lambda: torch.autocast(device_type, dtype=dtype)

@@ -13,9 +13,11 @@ from pathlib import Path
 
 import torch
 
-from vlmprobe.estimate import device_profile
 from vlmprobe.backends.base import Backend
-from vlmprobe.estimate.tracker import segment_bytes_in_message
+from vlmprobe.gpu import device_profile
+from vlmprobe.sizes import segment_bytes_in_message
+
+__all__ = ["available", "BACKEND", "device_count", "imposed_fraction", "nvml_usage", "unusable_reason"]
 
 SNAPSHOT_ENTRIES = 200_000  # allocation events kept for a snapshot (the oldest are dropped past this)
 # measure.record_history -> (context, stacks) of torch.cuda.memory._record_memory_history. Stacks cost host

@@ -1,8 +1,151 @@
-"""estimate: predict the CUDA peak of a point without a GPU by running the real step on fake tensors.
+"""The backends without a GPU: `estimate` runs the step on fake CPU tensors, `cpu` the same program on real ones,
+and the tracker charges every storage through the model of CUDA's caching allocator (vlmprobe.estimate).
 
-The machinery, and the list of modelling decisions and of what is not modelled, is in vlmprobe.estimate.
+Both make the choices CUDA would make (the optimizer implementation, CUDA's autocast op lists, the SDPA kernel
+the card runs, the kernels' own buffers); with the same program on both, the cpu backend proves the fake
+bookkeeping: the two agree to the byte. Its figures are a check and a way to run the whole path in CI, never
+GPU figures.
 """
 
-from vlmprobe.estimate.tracked import TrackedBackend
+from __future__ import annotations
 
-BACKEND = TrackedBackend("estimate", fake=True)
+import contextlib
+import gc
+import platform
+
+from vlmprobe.backends.base import Backend
+from vlmprobe.estimate.cuda_rules import reduction_staging
+from vlmprobe.estimate.cuda_rules.autocast_policy import cuda_autocast_policy
+from vlmprobe.estimate.cuda_rules.flash_attn_standin import flash_attention_standin
+from vlmprobe.estimate.cuda_rules.grouped_mm import cuda_grouped_mm
+from vlmprobe.estimate.cuda_rules.sdpa_choice import cuda_sdpa_choice
+from vlmprobe.estimate.fake_patches import real_run_answers_for_fake_batches
+from vlmprobe.estimate.fast_fake import session_mode
+from vlmprobe.estimate.replay.built_models import BUILT_MODELS
+from vlmprobe.estimate.replay.steps import StepReplay
+from vlmprobe.estimate.tracker import LiveBytesTracker
+from vlmprobe.gpu import device_profile
+from vlmprobe.gpu.device_profile import DeviceProfile
+
+__all__ = ["CPU", "ESTIMATE", "EstimateBackend", "no_automatic_collection", "reduction_card"]
+
+
+@contextlib.contextmanager
+def no_automatic_collection():
+    """Python's cyclic garbage collector off for the session, after one collection before it: a tensor that
+    only a reference cycle keeps alive lives to the session's end, wherever a collection would have fallen.
+    With the collector on, the figures depended on when one happened to run: a few more Python objects made
+    before DeepSpeed ZeRO-2's optimizer step moved a real gloo rank's optimizer peak by 80,384 B, so the
+    estimate and the cpu backend (or one commit and the next) disagreed on the same program. On CUDA such a
+    tensor is freed when a collection runs, if one runs within the step; the figures here are those of a step
+    in which none does, the higher of the two.
+
+    What survives that collection is frozen (gc.freeze: never walked again), so that the next session's
+    collection walks only what was made since, the last point's objects: a full walk of torch's, transformers'
+    and the caches' objects was ~0.14 s of every point here (~350k objects), a tenth of a warm estimate point.
+    What is frozen is alive; a cycle of it that dies later is not collected (none is known: the caches that
+    outlive a point hold plain data)."""
+    gc.collect()
+    gc.freeze()
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.enable()
+
+
+class TrackerMeter:
+    def __init__(self, tracker: LiveBytesTracker, capacity: int | None):
+        self.tracker = tracker
+        self.capacity = capacity  # the allocator model's device capacity, or None (unbounded)
+        self.notes: list[str] = []
+        self._reserved_closed = 0  # the allocator model's reserved peak in the windows reset_peak closed
+
+    def sync(self) -> None:
+        """CPU ops are synchronous: nothing is queued."""
+
+    def current(self) -> int:
+        return self.tracker.current
+
+    def peaks(self) -> dict[str, int]:
+        model = self.tracker.allocator  # one stream: nothing awaits another stream, so active == allocated
+        return {"allocated": model.peak_allocated, "reserved": model.peak_reserved, "active": model.peak_active}
+
+    def reset_peak(self) -> None:
+        self._reserved_closed = self.reserved_peak()
+        self.tracker.reset_peak()
+
+    def reserved_peak(self) -> int:
+        """The allocator model's peak reserved bytes over the whole session, model load included: the most
+        the caching allocator would have held from the card at once (reset_peak does not forget it)."""
+        return max(self._reserved_closed, self.tracker.allocator.peak_reserved)
+
+
+class EstimateBackend(Backend):
+    device_type = "cpu"
+    isolate = False  # no device allocator to leak state between points; the tracker starts at zero
+
+    def __init__(self, name: str, fake: bool):
+        self.name = name
+        self.fake = fake
+
+    @contextlib.contextmanager
+    def session(self, capacity, record_history: str = "alloc", device=None, settings=None, allowed_maximum=None):
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(no_automatic_collection())
+            stack.enter_context(cuda_autocast_policy())
+            stack.enter_context(cuda_sdpa_choice(device))  # the SDPA kernels the target card has
+            if self.fake:
+                fake = stack.enter_context(session_mode())
+                stack.enter_context(real_run_answers_for_fake_batches())
+                stack.enter_context(flash_attention_standin())  # flash_attention_2 without the package or a GPU
+                stack.enter_context(cuda_grouped_mm())  # MoE experts: CUDA's dtypes and output layout
+            tracker = stack.enter_context(LiveBytesTracker(
+                capacity, answer_fake_scalar_reads=self.fake, settings=settings, allowed_maximum=allowed_maximum,
+                blas_workspaces=device_profile.workspace_blocks(device),
+                reduction_card=reduction_card(device)))
+            if self.fake:
+                tracker.below = fake
+            yield TrackerMeter(tracker, capacity)
+
+    def load_model(self, meter, key, build):
+        # fake tensors only: the cpu backend builds every point's model, so estimate == cpu checks the reuse
+        if not self.fake or key is None:
+            return super().load_model(meter, key, build)
+        return BUILT_MODELS.load(meter.tracker, key, build)
+
+    def step_replay(self, meter, engine, towers=()):
+        # fake tensors only: the cpu backend runs every step for real, so estimate == cpu checks the replay
+        if not (self.fake and engine.repeats_steps):
+            return None
+        return StepReplay(meter.tracker, engine.optimizer, towers)
+
+    def predicted_device_bytes(self, meter, device) -> int | None:
+        return device_profile.predicted_device_bytes(meter.reserved_peak(), device)
+
+    def final_stats(self, meter) -> dict:
+        tracker = meter.tracker
+        model = tracker.allocator
+        host = tracker.host_tracked
+        return {"num_alloc_retries": model.num_alloc_retries, "num_ooms": model.num_ooms,
+                "peak_host_bytes": tracker.host_peak if host else None,
+                "after_step_host_bytes": tracker.host_current if host else None}
+
+    def oom_columns(self, meter, message: str) -> dict:
+        block, segment = meter.tracker.allocator.last_oom or (None, None)
+        return {"oom_segment_bytes": segment, "oom_block_bytes": block}
+
+    def describe(self) -> dict:
+        return {"backend": self.name, "device_name": f"{platform.machine()} CPU ({'fake' if self.fake else 'real'} tensors)"}
+
+
+def reduction_card(profile: DeviceProfile | None) -> reduction_staging.Card | None:
+    """What CUDA's reduction kernels read of the card to split a reduction across thread blocks
+    (vlmprobe.estimate.cuda_rules.reduction_staging). None without a profile: no staging buffer is charged."""
+    if profile is None:
+        return None
+    return reduction_staging.Card(profile.multiprocessors, profile.max_threads_per_multiprocessor)
+
+
+ESTIMATE = EstimateBackend("estimate", fake=True)
+CPU = EstimateBackend("cpu", fake=False)

@@ -55,11 +55,16 @@ import functools
 import torch
 import torch.distributed as torch_dist
 
-from vlmprobe.distributed.engines import Engine, storage_bytes
+from vlmprobe.distributed.base import Engine, storage_bytes
+from vlmprobe.distributed.host_memory import host_placement, made_on, placed
 from vlmprobe.distributed.options import read_deepspeed_config
 from vlmprobe.distributed.process_group import fake_group_active
 from vlmprobe.errors import ConfigError
-from vlmprobe.steps.common import make_optimizer
+from vlmprobe.gpu import device_profile
+from vlmprobe.optimizers import make_optimizer
+
+__all__ = ["answer_locally_on_fake_groups", "check_point", "cuda_free_bytes", "deepspeed_config", "DeepSpeedEngine",
+           "fill_auto"]
 
 PRECISION = {"bfloat16": "bf16", "float16": "fp16"}
 OPTIMIZER_AUTO = {"lr": 5e-5, "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 0.0}  # TrainingArguments defaults
@@ -167,8 +172,6 @@ def cuda_free_bytes(point: dict, allocator, device_index=None) -> int:
     with no card has room for anything: sys.maxsize."""
     import sys
 
-    from vlmprobe.estimate import device_profile
-
     if allocator.capacity is None:
         return sys.maxsize
     profile = device_profile.from_config(point.get("device"))
@@ -216,8 +219,6 @@ class DeepSpeedEngine(Engine):
         parameters gathered whole, written on rank 0, cut again; the largest module gathered is the build's
         transient. The build is on the device: what it makes with no device named is device memory (the
         host placement's default is the host, DeepSpeed's own buffers)."""
-        from vlmprobe.distributed.host_memory import placed
-
         self.config = deepspeed_config(self.point, spec.text["hidden_size"])
         answer_locally_on_fake_groups()
         with placed("device"):
@@ -287,8 +288,6 @@ class DeepSpeedEngine(Engine):
 
         from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 
-        from vlmprobe.distributed.host_memory import made_on
-
         original = DeepSpeedZeroOptimizer.flatten_dense_tensors_aligned
 
         def flatten_dense_tensors_aligned(optimizer, tensor_list, alignment, use_cpu_data=False, param_padding=None):
@@ -336,8 +335,6 @@ class DeepSpeedEngine(Engine):
         # stages 1-2 may move a parameter group to the host to flatten it (change 6 of the module doc)
         if not offloads(config) and zero_stage(config) not in (1, 2):
             return None
-        from vlmprobe.distributed.host_memory import host_placement
-
         return host_placement()
 
     def zero_grad(self) -> None:

@@ -59,6 +59,8 @@ import torch
 
 from vlmprobe.estimate.tracker import PLACEMENT, LiveBytesTracker
 
+__all__ = ["fsdp2_offload_placement", "host_placement", "made_on", "placed"]
+
 FACTORIES = ("empty", "zeros", "ones", "full")  # the factories DeepSpeed makes its buffers with
 
 

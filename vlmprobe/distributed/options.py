@@ -6,7 +6,12 @@ import importlib.util
 import json
 from pathlib import Path
 
+from omegaconf import OmegaConf
+
 from vlmprobe.errors import ConfigError
+from vlmprobe.paths import CONF
+
+__all__ = ["DEEPSPEED_ENGINES", "read_deepspeed_config", "skip_reason", "validate"]
 
 TORCH_ENGINES = ("none", "ddp", "fsdp2")
 DEEPSPEED_ENGINES = ("zero1", "zero2", "zero3")
@@ -78,10 +83,6 @@ def validate(dist: dict, backend: str, find, visible_gpus) -> None:
 def check_engine_name(dist: dict) -> None:
     """dist.name is set by choosing a `dist` option, whose file also gives the engine's keys: a name set on its
     own names an engine without them."""
-    from omegaconf import OmegaConf
-
-    from vlmprobe.overrides import CONF
-
     name, engines = dist.get("name"), (*TORCH_ENGINES, *DEEPSPEED_ENGINES)
     if name not in engines:
         raise ConfigError(f"dist.name={name!r} is not allowed: choose the engine with dist=OPTION, one of "

@@ -16,6 +16,8 @@ import contextlib
 
 import torch.distributed as dist
 
+__all__ = ["fake_group", "fake_group_active", "mesh", "real_group"]
+
 COLLECTIVES = {"cpu": "gloo", "cuda": "nccl"}
 _mesh = None
 

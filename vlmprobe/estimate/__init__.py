@@ -40,15 +40,15 @@ Modelling decisions (each one is what CUDA would do, applied on fake CPU tensors
   model, batch, saved activations, gradients, optimizer state and every transient are counted alike, and
   the rows' allocated, reserved and active figures are that model's.
 - Optimizer: the implementation CUDA picks by default (foreach for AdamW), see step.make_optimizer.
-- Autocast: CUDA's op lists (vlmprobe.estimate.autocast_policy) instead of the CPU's, so each activation has the
+- Autocast: CUDA's op lists (vlmprobe.estimate.cuda_rules.autocast_policy) instead of the CPU's, so each activation has the
   dtype it has on CUDA; an emulated op casts its tensors in the order torch's C++ wrappers do (last first).
 - Attention: torch's CPU SDPA kernel is a flash kernel that keeps output + logsumexp for backward, as
   CUDA's flash and memory-efficient kernels do (O(seq) state); where CUDA would fall back to the math
-  kernel (e.g. fp32 with grouped KV heads), the math kernel runs here too (vlmprobe.estimate.sdpa_choice).
-  Around that kernel, what CUDA's own kernel allocates for itself (vlmprobe.estimate.attention_scratch): where the
+  kernel (e.g. fp32 with grouped KV heads), the math kernel runs here too (vlmprobe.estimate.cuda_rules.sdpa_choice).
+  Around that kernel, what CUDA's own kernel allocates for itself (vlmprobe.estimate.cuda_rules.attention_scratch): where the
   card runs cuDNN attention first (sm90), its seed, offset and forward and backward workspaces (the workspace sizes
   are a recorded H200 run's); where flash runs, its backward's softmax_d and fp32 dq_accum (torch's source).
-  flash_attention_2 runs transformers' flash path with flash-attn 2's tensors (vlmprobe.estimate.flash_attn_standin).
+  flash_attention_2 runs transformers' flash path with flash-attn 2's tensors (vlmprobe.estimate.cuda_rules.flash_attn_standin).
 - Masks: the models pass no attention mask for unpadded batches, so transformers materialises none (it
   would for fake tensors, taking them for tracing).
 - cuBLAS workspaces: with a target card (device=), each thread's first matrix multiply (the forward's, the
@@ -56,20 +56,20 @@ Modelling decisions (each one is what CUDA would do, applied on fake CPU tensors
   (vlmprobe.estimate.tracker.LiveBytesTracker); without a card, none (its size depends on the architecture).
 - Gradient sums: where the backward sums two gradients of one tensor (residuals, tied weights), the engine of a
   real run adds the second into the first in place when it holds the last reference; under a dispatch mode it never
-  does, so the tracker charges the sum into the first's block itself (vlmprobe.estimate.gradient_sums).
+  does, so the tracker charges the sum into the first's block itself (vlmprobe.estimate.cuda_rules.gradient_sums).
 - Kernel copies: the contiguous copies of non-contiguous inputs that CUDA's layer norm (forward and backward),
   cuDNN's convolution backward, a whole tensor's max() / min() and advanced indexing with index tensors of
-  different strides make while they run (vlmprobe.estimate.kernel_copies).
+  different strides make while they run (vlmprobe.estimate.cuda_rules.kernel_copies).
 - Embedding backward: above 3072 token ids CUDA's embedding backward sorts them and sums each id's rows through
-  index and fp32 partial-sum buffers sized from the shapes (vlmprobe.estimate.embedding_backward).
+  index and fp32 partial-sum buffers sized from the shapes (vlmprobe.estimate.cuda_rules.embedding_backward).
 - Reduction staging: with a target card, the buffer and semaphores CUDA's sum and mean kernels allocate where they
   split each output's inputs across thread blocks (bias and norm-weight gradients over many tokens), from the
-  kernel's own launch rules and the card's multiprocessors (vlmprobe.estimate.reduction_staging).
-- Garbage collection: Python's cyclic collector is off during a point (vlmprobe.estimate.tracked), so a tensor
+  kernel's own launch rules and the card's multiprocessors (vlmprobe.estimate.cuda_rules.reduction_staging).
+- Garbage collection: Python's cyclic collector is off during a point (vlmprobe.backends.estimate), so a tensor
   held only by a reference cycle lives to the point's end: the step in which no collection falls, the higher
   case (the cpu backend likewise); with it on, the figures moved with how many Python objects happened to be
   made before a step. The exception is the build's garbage, collected once before training
-  (vlmprobe.worker.measure): a real run makes enough objects between load and first step for a collection
+  (vlmprobe.point.measure.measure): a real run makes enough objects between load and first step for a collection
   to have run (a tied LM head's first weight under zero.Init is the case met).
 
 Not modelled (the error budget against a CUDA measurement): the CUDA context and NVML-only memory, the cuBLAS
@@ -83,6 +83,6 @@ that scripts/check_per_sample.py counts by hand (tests/test_per_sample.py, to th
 the published run held ~10 MiB (length 128) and ~44 MiB (512) a sample beyond them, which no saved tensor in
 PyTorch's CUDA kernels we read accounts for, and which an H100 run of the same step does not hold either (README,
 "The bytes per sample"). With a target card (device=), its profile adds the CUDA context to the allocator model's peak
-reserved as predicted_device_bytes (vlmprobe.estimate.device_profile), and its capacity, dtypes, SDPA kernels and
+reserved as predicted_device_bytes (vlmprobe.gpu.device_profile), and its capacity, dtypes, SDPA kernels and
 cuBLAS workspaces apply.
 """

@@ -7,7 +7,7 @@ fragmentation. This module replays the sequence of (allocate n bytes / free that
 the tracker sees through a pure-Python copy of the rules of `DeviceCachingAllocator` in
 `c10/cuda/CUDACachingAllocator.cpp` (constants in `c10/core/AllocatorConfig.h`) as in torch
 2.11-2.13, with the settings of PYTORCH_ALLOC_CONF that change device memory
-(vlmprobe.estimate.alloc_conf), and reports the `allocated_bytes`, `reserved_bytes`, `active_bytes`
+(vlmprobe.gpu.alloc_conf), and reports the `allocated_bytes`, `reserved_bytes`, `active_bytes`
 and `requested_bytes` figures ("all"/aggregate stat type) with their peaks, `num_alloc_retries` and
 `num_ooms`.
 
@@ -85,7 +85,10 @@ from bisect import bisect_left, insort
 
 import torch
 
-from vlmprobe.estimate.alloc_conf import AllocatorSettings
+from vlmprobe.gpu.alloc_conf import AllocatorSettings
+
+__all__ = ["CachingAllocatorModel", "format_size", "get_allocation_size", "kMinBlockSize", "kMinLargeAlloc",
+           "kRoundLarge", "kSmallBuffer", "kSmallSize", "oom_message", "round_size", "roundup_power2_next_division"]
 
 # c10/core/AllocatorConfig.h (torch 2.13; same values in CUDACachingAllocator.cpp before).
 kMinBlockSize = 512  # all sizes are rounded to at least 512 bytes
@@ -224,8 +227,8 @@ class CachingAllocatorModel:
     of the matching `torch.cuda.memory_stats()` "*.all.current" entries, `peak_*` their peaks since
     construction or the last `reset_peak()`. `capacity` (bytes of the card, None for unlimited)
     turns on the out-of-memory path; `settings` are the allocator settings
-    (vlmprobe.estimate.alloc_conf.parse); `allowed_maximum` the allowed_memory_maximum a memory
-    fraction sets (vlmprobe.estimate.alloc_conf.allowed_maximum), None where none is set.
+    (vlmprobe.gpu.alloc_conf.parse); `allowed_maximum` the allowed_memory_maximum a memory
+    fraction sets (vlmprobe.gpu.alloc_conf.allowed_maximum), None where none is set.
     """
 
     def __init__(self, capacity: int | None = None, settings: AllocatorSettings | None = None,

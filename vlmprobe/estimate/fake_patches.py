@@ -8,44 +8,57 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
 import sys
+from unittest import mock
 
 from torch import nn
+from torch._subclasses.fake_tensor import FakeTensor
+
+__all__ = ["fake_modules_move_by_data", "HOST_INDEX_TENSORS_REAL", "host_index_tensors_real",
+           "real_run_answers_for_fake_batches"]
 
 
 @contextlib.contextmanager
 def real_run_answers_for_fake_batches():
     """Give transformers the answers a real run of our synthetic batches gets where it reads data.
 
-    transformers takes fake tensors for tracing; for a data-dependent decision it then assumes the worst
-    case. The one that changes memory: `find_packed_sequence_indices` cannot read fake position ids, so it
-    reports a packed batch, and the model materialises a (B, 1, L, L) mask and repeats K/V for SDPA, which a
-    real run of the same batch skips. Synthetic batches hold one unpadded sequence per sample, so the real
-    answer is "not packed" (None); the ops a real run makes to decide are still made, so allocations match.
-
-    The same for a bidirectional (vision tower) padding mask: `_ignore_bidirectional_mask_sdpa` skips the
-    mask where it is all ones, except for fake tensors, where the model would then materialise a (N, 1, P, P)
-    mask that a real run never makes. The mask is read as a real run reads it (`.all()`): a family whose
-    forward derives it from its inputs makes those inputs constant fakes (Idefics3's pixel_attention_mask),
-    so the read has the real answer; a non-constant one reads False (the tracker's answer), as before.
-
-    Where transformers' masking code is not imported, no model here runs it (a transformers family imports it
-    with its spec: vlmprobe.models.base.TRANSFORMERS_MODULES), and nothing is patched.
+    transformers takes fake tensors for tracing, and for a data-dependent decision then assumes the worst case,
+    materialising masks (and repeating K/V) that a real run of the same batch skips. Synthetic batches hold one
+    unpadded sequence per sample, so each decision below gets the real run's answer, and the ops a real run
+    makes to decide are still made, so the allocations match. Where transformers' masking code is not imported,
+    no model here runs it (a transformers family imports it with its spec: models.base.TRANSFORMERS_MODULES),
+    and nothing is patched.
     """
     masking_utils = sys.modules.get("transformers.masking_utils")
     if masking_utils is None:
         yield
         return
-    from torch._subclasses.fake_tensor import FakeTensor
+    flash_masks = masking_utils.AttentionMaskInterface._global_mapping
+    with contextlib.ExitStack() as stack:
+        for name, answer in (("find_packed_sequence_indices", not_packed),
+                             ("_ignore_bidirectional_mask_sdpa", bidirectional_mask_read),
+                             ("_ignore_causal_mask_sdpa", functools.partial(causal_mask_read, masking_utils))):
+            stack.enter_context(mock.patch.object(masking_utils, name, answer(getattr(masking_utils, name))))
+        flash = flash_mask_read(flash_masks["flash_attention_2"])
+        stack.enter_context(replaced_item(flash_masks, "flash_attention_2", flash))
+        yield
 
-    original = masking_utils.find_packed_sequence_indices
-    original_bidirectional = masking_utils._ignore_bidirectional_mask_sdpa
 
-    def ignore_bidirectional_mask_sdpa(padding_mask, kv_length, local_attention_size=None):
-        if isinstance(padding_mask, FakeTensor):
-            return bool(padding_mask.all()) and (local_attention_size is None or kv_length < local_attention_size)
-        return original_bidirectional(padding_mask, kv_length, local_attention_size)
+@contextlib.contextmanager
+def replaced_item(mapping: dict, key, value):
+    """mapping[key] is `value` for the block, its own value again after it."""
+    original = mapping[key]
+    mapping[key] = value
+    try:
+        yield
+    finally:
+        mapping[key] = original
 
+
+def not_packed(original):
+    """find_packed_sequence_indices cannot read fake position ids, so it reports a packed batch, and the model
+    materialises a (B, 1, L, L) mask and repeats K/V for SDPA: the real answer is "not packed" (None)."""
     def find_packed_sequence_indices(position_ids):
         packed = original(position_ids)
         if isinstance(packed, FakeTensor):
@@ -53,14 +66,30 @@ def real_run_answers_for_fake_batches():
             return None
         return packed
 
-    # generate() makes its own all-ones attention mask when none is given (step=grpo's rollout); a real run
-    # reads it (fast_all) and, finding no padding, skips the (B, 1, q, kv) mask for SDPA's is_causal. Fake
-    # masks are taken for tracing and never skipped: answer as the real run, making the ops it makes to read.
-    original_causal = masking_utils._ignore_causal_mask_sdpa
+    return find_packed_sequence_indices
 
+
+def bidirectional_mask_read(original):
+    """_ignore_bidirectional_mask_sdpa skips a vision tower's padding mask where it is all ones, except for fake
+    tensors, where the model would then materialise a (N, 1, P, P) mask a real run never makes. The mask is read
+    as a real run reads it (`.all()`): a family whose forward derives it from its inputs makes those inputs
+    constant fakes (Idefics3's pixel_attention_mask), so the read has the real answer; a non-constant one reads
+    False (the tracker's answer)."""
+    def ignore_bidirectional_mask_sdpa(padding_mask, kv_length, local_attention_size=None):
+        if isinstance(padding_mask, FakeTensor):
+            return bool(padding_mask.all()) and (local_attention_size is None or kv_length < local_attention_size)
+        return original(padding_mask, kv_length, local_attention_size)
+
+    return ignore_bidirectional_mask_sdpa
+
+
+def causal_mask_read(masking_utils, original):
+    """generate() makes its own all-ones attention mask when none is given (step=grpo's rollout); a real run reads
+    it (fast_all) and, finding no padding, skips the (B, 1, q, kv) mask for SDPA's is_causal. Fake masks are taken
+    for tracing and never skipped: answered as the real run, making the ops it makes to read."""
     def ignore_causal_mask_sdpa(padding_mask, *args, **kwargs):
         if not isinstance(padding_mask, FakeTensor):
-            return original_causal(padding_mask, *args, **kwargs)
+            return original(padding_mask, *args, **kwargs)
         tracing, fast_all = masking_utils.is_tracing, masking_utils.fast_all
 
         def all_ones(tensor):
@@ -70,35 +99,26 @@ def real_run_answers_for_fake_batches():
         masking_utils.is_tracing = lambda t: False if isinstance(t, FakeTensor) else tracing(t)
         masking_utils.fast_all = all_ones
         try:
-            return original_causal(padding_mask, *args, **kwargs)
+            return original(padding_mask, *args, **kwargs)
         finally:
             masking_utils.is_tracing, masking_utils.fast_all = tracing, fast_all
 
-    # The same for flash attention (vlmprobe.estimate.flash_attn_standin): flash_attention_mask drops generate()'s
-    # all-ones mask after reading it (.all()), and flash attention then runs unpadded; a fake mask that read
-    # False would send every layer through unpadding (nonzero), which a real run of an unpadded batch skips.
-    flash_masks = masking_utils.AttentionMaskInterface._global_mapping
-    original_flash = flash_masks["flash_attention_2"]
+    return ignore_causal_mask_sdpa
 
+
+def flash_mask_read(original):
+    """The same for flash attention (vlmprobe.estimate.cuda_rules.flash_attn_standin): flash_attention_mask drops
+    generate()'s all-ones mask after reading it (.all()), and flash attention then runs unpadded; a fake mask that
+    read False would send every layer through unpadding (nonzero), which a real run of an unpadded batch skips."""
     def flash_attention_mask(**kwargs):  # transformers calls mask interfaces by keyword
         attention_mask, kv_length = kwargs.get("attention_mask"), kwargs["kv_length"]
         if not isinstance(attention_mask, FakeTensor):
-            return original_flash(**kwargs)
+            return original(**kwargs)
         sliced = attention_mask[:, -kv_length:]
         sliced.all()  # what a real run computes to decide, then reads: synthetic prompts are unpadded
         return None if sliced.shape[1] == kv_length else sliced
 
-    masking_utils.find_packed_sequence_indices = find_packed_sequence_indices
-    masking_utils._ignore_bidirectional_mask_sdpa = ignore_bidirectional_mask_sdpa
-    masking_utils._ignore_causal_mask_sdpa = ignore_causal_mask_sdpa
-    flash_masks["flash_attention_2"] = flash_attention_mask
-    try:
-        yield
-    finally:
-        masking_utils.find_packed_sequence_indices = original
-        masking_utils._ignore_bidirectional_mask_sdpa = original_bidirectional
-        masking_utils._ignore_causal_mask_sdpa = original_causal
-        flash_masks["flash_attention_2"] = original_flash
+    return flash_attention_mask
 
 
 @contextlib.contextmanager
@@ -108,8 +128,6 @@ def fake_modules_move_by_data():
     active, Module.to on a module holding fake tensors converts their dtype through `.data` (what Module.to
     does for real tensors) and leaves the device (fake tensors all live on the CPU)."""
     import torch
-    from torch._subclasses.fake_tensor import FakeTensor
-
     to = nn.Module.to
 
     def to_by_data(self, *args, **kwargs):

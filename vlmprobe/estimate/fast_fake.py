@@ -124,6 +124,8 @@ from torch.utils._pytree import SUPPORTED_NODES, is_namedtuple_instance, tree_fl
 from vlmprobe.estimate.fake_patches import HOST_INDEX_TENSORS_REAL
 from vlmprobe.estimate.tracker import aliases_inputs
 
+__all__ = ["empty_strided", "FastFakeTensorMode", "session_mode"]
+
 
 # a view autograd does not track as one (matmul's reshapes): FakeTensorMode answers it with view's own code, but
 # never from its cache, so it paid the whole dispatch (630 a nanoVLM-222M step pair, ~0.5 ms each)
@@ -480,8 +482,8 @@ def _has_meta_kernel(func) -> bool:
 
 @functools.cache
 def session_mode() -> FastFakeTensorMode:
-    """The fake mode every estimate session of this process enters (vlmprobe.estimate.tracked): one, so that a
-    model built in one session runs in the next (vlmprobe.estimate.built_models); a fake tensor belongs to the mode
+    """The fake mode every estimate session of this process enters (vlmprobe.backends.estimate): one, so that a
+    model built in one session runs in the next (vlmprobe.estimate.replay.built_models); a fake tensor belongs to the mode
     that made it, and FakeTensorMode refuses another's. Its state between sessions is none that changes an answer:
     the dispatch cache is torch's, one a process already, and the memo of real tensors made fake holds each only
     while that real tensor lives. allow_non_fake_inputs: module buffers made from Python constants may be real."""

@@ -14,10 +14,10 @@ names a side: vlmprobe.distributed.host_memory), else where its inputs are: an o
 (0-dim scalars aside) all live on the host runs on the host, as on CUDA (the optimizer step over offloaded
 partitions); anything else runs on the device.
 What CUDA allocates that no op returns, or returns differently: the contiguous copies a CUDA kernel makes of its
-inputs while it runs (vlmprobe.estimate.kernel_copies), the embedding backward's buffers
-(vlmprobe.estimate.embedding_backward), a reduction's staging buffer on the target card
-(`reduction_card`; vlmprobe.estimate.reduction_staging), and the autograd engine's sum of two gradients of one tensor,
-which CUDA writes into the first and the engine under a dispatch mode never does (vlmprobe.estimate.gradient_sums).
+inputs while it runs (vlmprobe.estimate.cuda_rules.kernel_copies), the embedding backward's buffers
+(vlmprobe.estimate.cuda_rules.embedding_backward), a reduction's staging buffer on the target card
+(`reduction_card`; vlmprobe.estimate.cuda_rules.reduction_staging), and the autograd engine's sum of two gradients of one tensor,
+which CUDA writes into the first and the engine under a dispatch mode never does (vlmprobe.estimate.cuda_rules.gradient_sums).
 cuBLAS workspaces (`blas_workspaces`, from the target card's profile): CUDA allocates them through the caching
 allocator, so they count in memory_allocated; the tracker allocates them where CUDA does (see
 LiveBytesTracker.__init__).
@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import contextvars
 import functools
-import re
 import weakref
 
 import torch
@@ -39,11 +38,12 @@ from torch._subclasses.fake_tensor import DataDependentOutputException, FakeTens
 from torch._subclasses.fake_tensor import _device_handler as _fake_device
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 
-from vlmprobe.estimate import embedding_backward, kernel_copies, reduction_staging
-from vlmprobe.estimate.alloc_conf import AllocatorSettings
 from vlmprobe.estimate.allocator import CachingAllocatorModel
-from vlmprobe.estimate.gradient_sums import first_summand
-from vlmprobe.sizes import BYTE_UNITS
+from vlmprobe.estimate.cuda_rules import embedding_backward, kernel_copies, reduction_staging
+from vlmprobe.estimate.cuda_rules.gradient_sums import first_summand
+from vlmprobe.gpu.alloc_conf import AllocatorSettings
+
+__all__ = ["aliases_inputs", "AllocationLog", "LiveBytesTracker", "PLACEMENT"]
 
 _DEVICE = torch.ops.prim.device.default
 _FAKE = torch._C._TorchDispatchModeKey.FAKE
@@ -61,10 +61,10 @@ PLACEMENT: contextvars.ContextVar[str | None] = contextvars.ContextVar("placemen
 class LiveBytesTracker(TorchDispatchMode):
     """Allocates every new storage from a caching-allocator model; with a `capacity` (device bytes), a
     segment that does not fit raises OutOfMemoryError as CUDA would. `settings` and `allowed_maximum`: the
-    allocator settings and memory fraction the model applies (vlmprobe.estimate.alloc_conf).
+    allocator settings and memory fraction the model applies (vlmprobe.gpu.alloc_conf).
 
     `blas_workspaces`: the blocks (bytes) of the cuBLAS workspace a thread's first matrix multiply makes on the
-    target card (vlmprobe.estimate.device_profile.workspace_blocks; none without a card). torch keeps one
+    target card (vlmprobe.gpu.device_profile.workspace_blocks; none without a card). torch keeps one
     workspace per (cuBLAS handle, stream) until the process exits (CublasHandlePool.cpp,
     cublas_handle_stream_to_workspace, allocated through the caching allocator right after the op's output),
     and a thread keeps its handle (DeviceThreadHandlePool). A training step runs its matrix multiplies on two
@@ -138,7 +138,7 @@ class LiveBytesTracker(TorchDispatchMode):
     def adopt(self, storage, handle: int) -> None:
         """Charge live `storage` with block `handle` of the allocator model, allocated for it already: freed into
         the model when the storage dies. _charge's, and a replayed build's for the storages of a kept model
-        (vlmprobe.estimate.built_models)."""
+        (vlmprobe.estimate.replay.built_models)."""
         self._seen.add(storage)
         finalizer = weakref.finalize(storage, self._free, handle)
         finalizer.atexit = False  # nothing to free into at exit
@@ -225,7 +225,7 @@ class LiveBytesTracker(TorchDispatchMode):
         # An interrupt can strike inside malloc/free and leave the model half-updated; the figures are read
         # before this point, so later deaths (garbage collection, interpreter exit) must not touch it.
         self._open = False
-        # A storage that outlives the session (a kept model's: vlmprobe.estimate.built_models) would otherwise keep
+        # A storage that outlives the session (a kept model's: vlmprobe.estimate.replay.built_models) would otherwise keep
         # this tracker and its allocator model alive through its finalizer, one of each per point measured
         for _, finalizer in list(self._blocks.values()):
             finalizer.detach()
@@ -287,8 +287,8 @@ class LiveBytesTracker(TorchDispatchMode):
     def _scratch_program(self, func, args, kwargs) -> tuple[list, list]:
         """(before, after) the op's outputs: the blocks CUDA's kernel of `func` makes for itself inside the op, each
         (bytes, dropped at once); the others die as it returns. They are the contiguous copies of its inputs
-        (vlmprobe.estimate.kernel_copies) and the embedding backward's index and partial-sum buffers
-        (vlmprobe.estimate.embedding_backward). None for an op on the host (offloaded work runs no CUDA kernel)."""
+        (vlmprobe.estimate.cuda_rules.kernel_copies) and the embedding backward's index and partial-sum buffers
+        (vlmprobe.estimate.cuda_rules.embedding_backward). None for an op on the host (offloaded work runs no CUDA kernel)."""
         before, after = embedding_backward.scratch(func, args)
         copied_before, copied_after = kernel_copies.copies(func, args)
         if copied_before or copied_after:
@@ -312,7 +312,7 @@ class LiveBytesTracker(TorchDispatchMode):
 
     def _reduction_staging(self, func, args, kwargs, out) -> None:
         """The staging buffer and semaphores CUDA's kernel of reduction `func` allocates after its output where one
-        output's inputs span several thread blocks, freed as it returns (vlmprobe.estimate.reduction_staging). None
+        output's inputs span several thread blocks, freed as it returns (vlmprobe.estimate.cuda_rules.reduction_staging). None
         for a reduction on the host."""
         buffer, semaphores = reduction_staging.staging(func, args, kwargs, out, self.reduction_card)
         if not buffer or (self._host is not None and self._placed_on_host(args, kwargs)):
@@ -322,7 +322,7 @@ class LiveBytesTracker(TorchDispatchMode):
 
     def _add_into(self, summand: torch.Tensor, out: torch.Tensor) -> bool:
         """Charge the engine's gradient sum `out` as CUDA's `summand.add_(...)`: the sum takes over summand's block,
-        so nothing is allocated, and summand's death frees nothing (vlmprobe.estimate.gradient_sums). False where
+        so nothing is allocated, and summand's death frees nothing (vlmprobe.estimate.cuda_rules.gradient_sums). False where
         summand has no block here (made before the tracker, or on the host)."""
         entry = self._blocks.pop(summand.untyped_storage(), None)
         if entry is None:
@@ -370,7 +370,7 @@ class LiveBytesTracker(TorchDispatchMode):
 
 class AllocationLog:
     """The device allocations and frees the tracker made while it held this log, in order (for
-    vlmprobe.estimate.step_replay): `events` holds an allocation as its size in bytes (>= 0) and a free as
+    vlmprobe.estimate.replay.steps): `events` holds an allocation as its size in bytes (>= 0) and a free as
     -1 - the index of the allocation it frees. What it cannot hold as such is counted in `irregular`: a free of a
     block allocated before the log began, a storage resized in place. `marks` are event indexes a caller set.""" 
 
@@ -441,13 +441,3 @@ def storage_tensors(tree, found: list | None = None) -> list[torch.Tensor]:
     elif isinstance(tree, dict):
         storage_tensors(list(tree.values()), found)
     return found
-
-
-_REQUEST = re.compile(r"Tried to allocate ([\d.]+) (bytes|KiB|MiB|GiB|TiB)")
-
-
-def segment_bytes_in_message(message: str) -> int | None:
-    """The allocation an out-of-memory message says failed (CUDA's and the tracker's wording), in bytes: the
-    segment the allocator tried to reserve, which CUDA prints formatted to 2 decimals."""
-    match = _REQUEST.search(message)
-    return round(float(match.group(1)) * BYTE_UNITS[match.group(2)]) if match else None

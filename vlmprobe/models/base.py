@@ -13,6 +13,9 @@ from torch import nn
 
 from vlmprobe.errors import ConfigError, whole
 
+__all__ = ["count_params", "DataShape", "filler_text", "hyperparameters", "IGNORE_INDEX", "is_transformers_model",
+           "ModelSpec", "prompt_then_text", "torch_init_skipped", "TRANSFORMERS_MODULES", "unwrapped"]
+
 
 @dataclass(frozen=True)
 class DataShape:
@@ -135,7 +138,7 @@ class ModelSpec(abc.ABC):
         with its head; a projector between the two belongs to neither and stays trainable)."""
 
     def repeated_blocks(self, model: nn.Module) -> list[list[nn.Module]]:
-        """Lists of blocks that run one program, whatever their place (vlmprobe.estimate.block_replay replays
+        """Lists of blocks that run one program, whatever their place (vlmprobe.estimate.replay.blocks replays
         all but the first and last of each in the estimate's first step). None here: a family says so only
         where its block code has nothing that depends on a block's index (transformers' layers read theirs:
         sliding-window and full-attention layers alternate in some families)."""
@@ -223,6 +226,15 @@ def is_transformers_model(module: nn.Module) -> bool:
     return modeling is not None and isinstance(module, modeling.PreTrainedModel)
 
 
+def unwrapped(model):
+    """The model inside DDP or a DeepSpeed engine (both keep it as `.module`); the model itself otherwise."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    deepspeed = sys.modules.get("deepspeed")  # no DeepSpeed engine exists unless DeepSpeed was imported
+    wrappers = (DistributedDataParallel, *((deepspeed.DeepSpeedEngine,) if deepspeed else ()))
+    return model.module if isinstance(model, wrappers) else model
+
+
 IGNORE_INDEX = -100  # labels the loss skips (the prompt: image tokens and their markers)
 
 
@@ -266,4 +278,3 @@ def hyperparameters(config) -> dict:
     generic defaults (every field of the model's class, plus any extra key its config.json had), without
     bookkeeping. Building the same config class from it gives the same model."""
     return {k: v for k, v in config.to_diff_dict().items() if k not in NOT_HYPERPARAMETERS}
-

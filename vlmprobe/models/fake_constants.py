@@ -28,6 +28,8 @@ from collections.abc import Callable
 
 import torch
 
+__all__ = ["collated", "constant_tensor"]
+
 _limit_requests: dict[int, int] = {}  # live requests for a raised CONSTANT_NUMEL_LIMIT: key -> numel
 _limit_keys = itertools.count()
 _limit_default = 1

@@ -109,4 +109,3 @@ class Gemma3Spec(ModelSpec):
             "pixel_values": torch.randn(b * data.images_per_sample, self.vision.get("num_channels", 3), size, size,
                                         dtype=torch.float32, device=device),
         })
-

@@ -15,34 +15,31 @@ import json
 import re
 from pathlib import Path
 
+from hydra.utils import get_class
+
 from vlmprobe.errors import ConfigError
 from vlmprobe.models.base import ModelSpec
+
+__all__ = ["FAMILIES", "family"]
 
 HUB_NAME = re.compile(r"^[\w.-]+/[\w.-]+$")
 
 
-def families() -> dict:
-    """model_type -> family spec class (imported here: each module imports only what it needs)."""
-    from vlmprobe.models.gemma3 import Gemma3Spec
-    from vlmprobe.models.glm4v import Glm4vMoeSpec, Glm4vSpec
-    from vlmprobe.models.idefics3 import Idefics3Spec, SmolVLMSpec
-    from vlmprobe.models.internvl import InternVLSpec
-    from vlmprobe.models.llava import LlavaSpec
-    from vlmprobe.models.llava_next import LlavaNextSpec
-    from vlmprobe.models.llava_onevision import LlavaOnevisionSpec
-    from vlmprobe.models.mistral3 import Mistral3Spec
-    from vlmprobe.models.mllama import MllamaSpec
-    from vlmprobe.models.paligemma import PaliGemmaSpec
-    from vlmprobe.models.qwen2_5_vl import Qwen2_5_VLSpec
-    from vlmprobe.models.qwen2_vl import Qwen2VLSpec
-    from vlmprobe.models.qwen3_vl import Qwen3VLMoeSpec, Qwen3VLSpec
+# model_type -> the family's spec class, named as conf/model/*.yaml name it (`_target_`): each family's module
+# imports its transformers classes, so only the family a config.json names is imported
+FAMILIES = {
+    "qwen2_vl": "qwen2_vl.Qwen2VLSpec", "qwen2_5_vl": "qwen2_5_vl.Qwen2_5_VLSpec", "qwen3_vl": "qwen3_vl.Qwen3VLSpec",
+    "qwen3_vl_moe": "qwen3_vl.Qwen3VLMoeSpec", "llava": "llava.LlavaSpec", "llava_next": "llava_next.LlavaNextSpec",
+    "llava_onevision": "llava_onevision.LlavaOnevisionSpec", "idefics3": "idefics3.Idefics3Spec",
+    "smolvlm": "idefics3.SmolVLMSpec", "gemma3": "gemma3.Gemma3Spec", "mllama": "mllama.MllamaSpec",
+    "internvl": "internvl.InternVLSpec", "paligemma": "paligemma.PaliGemmaSpec", "mistral3": "mistral3.Mistral3Spec",
+    "glm4v": "glm4v.Glm4vSpec", "glm4v_moe": "glm4v.Glm4vMoeSpec",
+}
 
-    return {"qwen2_vl": Qwen2VLSpec, "qwen2_5_vl": Qwen2_5_VLSpec, "qwen3_vl": Qwen3VLSpec,
-            "qwen3_vl_moe": Qwen3VLMoeSpec, "llava": LlavaSpec, "llava_next": LlavaNextSpec,
-            "llava_onevision": LlavaOnevisionSpec, "idefics3": Idefics3Spec,
-            "smolvlm": SmolVLMSpec, "gemma3": Gemma3Spec,
-            "mllama": MllamaSpec, "internvl": InternVLSpec, "paligemma": PaliGemmaSpec, "mistral3": Mistral3Spec,
-            "glm4v": Glm4vSpec, "glm4v_moe": Glm4vMoeSpec}
+
+def family(model_type: str) -> type[ModelSpec]:
+    """The spec class of a supported model_type (a key of FAMILIES)."""
+    return get_class(f"vlmprobe.models.{FAMILIES[model_type]}")
 
 
 def spec_from_config(config: str | None, name: str | None = None, attn_implementation: str = "sdpa") -> ModelSpec:
@@ -53,15 +50,14 @@ def spec_from_config(config: str | None, name: str | None = None, attn_implement
     path = find_config(str(config))
     raw = read_json(path, f"model.config={config}")
     model_type = raw.get("model_type")
-    supported = families()
-    if model_type not in supported:
+    if model_type not in FAMILIES:
         raise ConfigError(f"model.config={config} is not allowed: its model_type {model_type!r} is not a family "
-                          f"vlmprobe builds (supported: {', '.join(sorted(supported))})")
-    family = supported[model_type]
-    files = ["preprocessor"] + (["video_preprocessor"] if family.reads_video_preprocessor else [])
+                          f"vlmprobe builds (supported: {', '.join(sorted(FAMILIES))})")
+    spec_class = family(model_type)
+    files = ["preprocessor"] + (["video_preprocessor"] if spec_class.reads_video_preprocessor else [])
     processors = {key: beside(path, f"{key}_config.json", config) for key in files}
-    return family.from_hf_config(raw, name=name or default_name(str(config), path),
-                                 attn_implementation=attn_implementation, **processors)
+    return spec_class.from_hf_config(raw, name=name or default_name(str(config), path),
+                                     attn_implementation=attn_implementation, **processors)
 
 
 def beside(path: Path, filename: str, config: str) -> dict | None:

@@ -39,6 +39,8 @@ from vlmprobe.errors import ConfigError
 from vlmprobe.models.base import DataShape, ModelSpec, hyperparameters, prompt_then_text
 from vlmprobe.models.fake_constants import collated, constant_tensor
 
+__all__ = ["MAX_IMAGE_SIZE"]
+
 MAX_IMAGE_SIZE = 4096  # transformers' idefics3 / smolvlm image processors: no side beyond it ("4k resolution")
 
 
@@ -173,7 +175,6 @@ class Idefics3Spec(ModelSpec):
             "pixel_values": constant_tensor(np.full(pixels, 0.5, dtype=np.float32), device, torch.float32),
             "pixel_attention_mask": constant_tensor(np.ones((b, frames, self.tile, self.tile), dtype=np.int64), device),
         }, limit=math.prod(pixels))
-
 
 
 class SmolVLMSpec(Idefics3Spec):

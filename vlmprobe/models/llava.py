@@ -30,6 +30,8 @@ from vlmprobe.errors import ConfigError
 from vlmprobe.models.base import DataShape, ModelSpec, hyperparameters, prompt_then_text
 from vlmprobe.models.fake_constants import collated
 
+__all__ = ["CLASS_TOKENS", "LlavaSpec"]
+
 # Vision towers whose output sequence we know: patch tokens plus this many class tokens
 CLASS_TOKENS = {"clip_vision_model": 1, "siglip_vision_model": 0}
 STRATEGIES = ("default", "full")  # "default" drops the first token of the selected hidden states
@@ -138,4 +140,3 @@ class LlavaSpec(ModelSpec):
         input_ids, labels = self._sample(data)
         return collated(data, device, input_ids, labels,
                         lambda: self.image_inputs(data.batch_size * data.images_per_sample, data, device))
-

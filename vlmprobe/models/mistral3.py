@@ -17,7 +17,7 @@ What the tower does with the patches of all images of a micro batch: one sequenc
 image by a (1, 1, N, N) additive mask in the tower's dtype over all N patches (`generate_block_attention_mask`)
 under sdpa and eager; with flash_attention_2 by each image's length instead (cu_seqlens), no mask. On CUDA that
 mask is the memory-efficient kernel's bias, copied padded once per block where N is not a multiple of 8, except on
-a card that tries cuDNN first (vlmprobe.estimate.sdpa_choice): at 1540 px, 12,100 patches, each of the 24 blocks of a
+a card that tries cuDNN first (vlmprobe.estimate.cuda_rules.sdpa_choice): at 1540 px, 12,100 patches, each of the 24 blocks of a
 trained tower keeps a 279 MiB bf16 copy until backward.
 
 Each sample is `lm_max_length` tokens, no padding: <s>, the images' tokens as the processor writes them, then

@@ -25,6 +25,8 @@ from __future__ import annotations
 
 from vlmprobe.errors import ConfigError, whole
 
+__all__ = ["MixtureOfExperts"]
+
 EXPERTS_IMPLEMENTATIONS = ("grouped_mm", "batched_mm")  # transformers' experts_implementation values modelled here
 
 

@@ -41,6 +41,8 @@ from vlmprobe.errors import ConfigError
 from vlmprobe.models import nanovlm_source
 from vlmprobe.models.base import IGNORE_INDEX, DataShape, ModelSpec
 
+__all__ = ["attention", "LM", "NanoVLM", "NanoVLMSpec", "pixel_shuffle", "RMSNorm", "ViT"]
+
 ATTENTION = ("sdpa", "eager")
 ROPE_SCALING = 1.0  # nanoVLM's lm_attn_scaling: its cos and sin are multiplied by it
 
@@ -228,7 +230,7 @@ class LM(nn.Module):
         copies): they raise the forward's peak and what it leaves reserved. The list reaches the blocks as an
         attribute for the loop, not as an argument: activation checkpointing keeps a block's arguments until
         its backward (and would keep every key and value with them), and the blocks' calls stay alike for the
-        estimate's replay (vlmprobe.estimate.block_replay)."""
+        estimate's replay (vlmprobe.estimate.replay.blocks)."""
         b, s, _ = embeds.shape
         positions = torch.arange(s, device=embeds.device).unsqueeze(0).expand(b, -1)
         cos, sin = self.rope(positions)

@@ -28,6 +28,8 @@ from pathlib import Path
 
 from vlmprobe.errors import ConfigError
 
+__all__ = ["checked_source", "config_fields", "image_token_id", "load", "make_config", "TESTED"]
+
 TESTED = "731d8c6"  # huggingface/nanoVLM commit whose models/ API this takes
 FORWARD = ("input_ids", "image", "attention_mask", "targets")
 PACKAGE = "models"  # the checkout's top-level package; its modules import each other as models.*

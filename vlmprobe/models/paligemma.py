@@ -29,6 +29,8 @@ from vlmprobe.errors import ConfigError
 from vlmprobe.models.base import DataShape, ModelSpec, hyperparameters, prompt_then_text
 from vlmprobe.models.fake_constants import collated, constant_tensor
 
+__all__ = ["NEWLINE"]
+
 NEWLINE = 108  # "\n" in Gemma's vocabulary: the end of the prefix (its value changes no byte)
 
 

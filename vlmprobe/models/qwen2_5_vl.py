@@ -25,6 +25,8 @@ import torch
 from vlmprobe.models.fake_constants import constant_tensor
 from vlmprobe.models.qwen2_vl import Qwen2VLSpec
 
+__all__ = ["window_index"]
+
 
 def window_index(grids: list[tuple[int, int]], merge: int, window_size: int, patch: int) -> tuple[list[int], list[int]]:
     """(window_index, cu_window_seqlens) of still images with these (rows, cols) patch grids, as

@@ -59,6 +59,7 @@ from vlmprobe.errors import ConfigError
 from vlmprobe.models.base import IGNORE_INDEX, DataShape, ModelSpec, filler_text, hyperparameters
 from vlmprobe.models.fake_constants import collated, constant_tensor
 
+__all__ = ["Qwen2VLSpec", "smart_resize"]
 
 
 def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixels: int,
@@ -347,7 +348,6 @@ class Qwen2VLSpec(ModelSpec):
 
         return collated(data, device, input_ids, labels, inputs,
                         limit=max(n_images * rows * cols, n_videos * frames * v_rows * v_cols))
-
 
     # -- generation (step=grpo) -----------------------------------------------------------------------
     can_generate = True

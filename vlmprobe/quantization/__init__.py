@@ -29,6 +29,10 @@ import importlib.util
 from torch import nn
 
 from vlmprobe.errors import ConfigError
+from vlmprobe.models.base import is_transformers_model
+from vlmprobe.quantization import bnb_real, bnb_standin
+
+__all__ = ["freeze_quantized", "layers_to_quantize", "notes", "quantize", "skip_reason", "validate"]
 
 TYPES = ("nf4", "int8")
 COMPUTE_DTYPES = ("bfloat16", "float16", "float32")
@@ -61,8 +65,6 @@ def validate(train: dict, backend: str, dist: str) -> None:
 
 def skip_reason(model: nn.Module, train: dict) -> str | None:
     """Why this model's layers cannot be quantized as transformers quantizes them (the row says so)."""
-    from vlmprobe.models.base import is_transformers_model
-
     if train.get("quantization") and not is_transformers_model(model):
         return (f"train.quantization={train['quantization']}: {type(model).__name__} is not a transformers model, so "
                 f"transformers' bitsandbytes integration (replace_with_bnb_linear) does not pick its layers")
@@ -92,11 +94,8 @@ def quantize(model: nn.Module, train: dict, backend: str) -> None:
     if not train.get("quantization"):
         return
     if backend == "estimate":
-        from vlmprobe.quantization.bnb_standin import notes, replace
-
-        notes()  # forget what an earlier point in this process left
-    else:
-        from vlmprobe.quantization.bnb_real import replace
+        bnb_standin.notes()  # forget what an earlier point in this process left
+    replace = bnb_standin.replace if backend == "estimate" else bnb_real.replace
     for name in layers_to_quantize(model):
         model.set_submodule(name, replace(model.get_submodule(name), train))
 
@@ -105,6 +104,4 @@ def notes(train: dict, backend: str) -> list[str]:
     """What a row should say about how its quantized matmuls were charged (estimate only)."""
     if not train.get("quantization") or backend != "estimate":
         return []
-    from vlmprobe.quantization.bnb_standin import notes as standin_notes
-
-    return standin_notes()
+    return bnb_standin.notes()

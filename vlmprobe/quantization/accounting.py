@@ -10,6 +10,8 @@ import math
 import torch
 from torch import nn
 
+__all__ = ["block", "kept_bytes", "layer_bytes"]
+
 BLOCK = 512  # the caching allocator's block size: every tensor takes a multiple of it
 
 

@@ -12,6 +12,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+__all__ = ["replace"]
+
 THRESHOLD = 6.0  # BitsAndBytesConfig.llm_int8_threshold default
 
 

@@ -33,6 +33,8 @@ import math
 import torch
 from torch import nn
 
+__all__ = ["dequantize_4bit", "gemm_4bit", "Linear4bit", "Linear8bitLt", "MatMul8bitLt", "notes", "replace"]
+
 
 BLOCKSIZE = 64  # Linear4bit's default block size; transformers' BitsAndBytesConfig sets no other
 NESTED_BLOCKSIZE = 256  # quantize_4bit's compress_statistics: quantize_blockwise(absmax, blocksize=256)

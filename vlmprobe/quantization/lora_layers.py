@@ -12,6 +12,8 @@ from peft.tuners.lora.layer import Linear
 
 from vlmprobe.quantization import bnb_standin
 
+__all__ = ["STANDIN_LORA"]
+
 
 class LoraLinear8bitLt(Linear):
     clone_result = False  # peft's Linear8bitLt.forward does not clone

@@ -1,5 +1,5 @@
-"""What every measured step shares: the meter interface, the report it fills, the phase clock that closes
-a phase's peak window, the optimizer as CUDA would make it, and the autocast factory.
+"""What every measured step shares: the two things it is driven through (a Meter that reads memory, an Engine
+that owns the model and optimizer), the report it fills, and the phase clock that closes each phase's peak window.
 
 A phase mark resets the peak at each boundary, so each phase has its own peak and the max over all phases
 of all steps is the peak over the whole run (what measure_vram.py's max_memory_allocated reports).
@@ -9,12 +9,16 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import inspect
 import time
 from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
+from torch import nn
+
+from vlmprobe.states import Phase
+
+__all__ = ["Engine", "Meter", "PhaseClock", "StepReport", "completion_batch"]
 
 
 class Meter(Protocol):
@@ -29,6 +33,28 @@ class Meter(Protocol):
 
     def reset_peak(self) -> None:
         """Start a new peak window at the current figures."""
+
+
+class Engine(Protocol):
+    """What a step asks of the engine that owns the model and optimizer of one rank (single GPU, DDP, FSDP2,
+    DeepSpeed: vlmprobe.distributed); the step never asks which one it is."""
+
+    model: nn.Module  # the model as the step calls it (wrapped or sharded by the engine)
+
+    def zero_grad(self) -> None: ...
+
+    def backward(self, loss: torch.Tensor) -> None: ...
+
+    def step(self) -> None: ...
+
+    def grads_bytes(self) -> int:
+        """Device bytes of the gradients this rank holds now."""
+
+    def state_tensors(self) -> list[torch.Tensor]:
+        """The optimizer state tensors this rank holds on the device."""
+
+    def generating(self) -> contextlib.AbstractContextManager[nn.Module]:
+        """The model generate runs on (GRPO's rollout), its parameters as the framework leaves them."""
 
 
 @dataclass
@@ -65,7 +91,7 @@ class PhaseClock:
         self.meter.reset_peak()
         return started
 
-    def close(self, phase: str) -> None:
+    def close(self, phase: Phase) -> None:
         self.meter.sync()  # kernels queued in this phase must be done before the peak is read
         peaks = self.meter.peaks()
         self.report.phase_peaks[phase] = max(self.report.phase_peaks.get(phase, 0), peaks["allocated"])
@@ -78,7 +104,7 @@ class PhaseClock:
         estimate's replay of it) in its window; its peaks become the last step's, and count toward the run's."""
         self.report.grads_bytes = engine.grads_bytes()
         step()
-        self.close("optimizer")
+        self.close(Phase.OPTIMIZER)
         self.report.step_time_s = time.perf_counter() - started
         self.report.last_step_peaks = self.step_peaks
         for key, value in self.step_peaks.items():
@@ -96,40 +122,6 @@ class PhaseClock:
         state = engine.state_tensors()
         report.optimizer_state_bytes = sum(t.untyped_storage().nbytes() for t in state)
         report.optimizer_state_dtype = ",".join(sorted({str(t.dtype).removeprefix("torch.") for t in state}))
-
-
-def make_optimizer(partial, params) -> tuple[torch.optim.Optimizer, str]:
-    """Instantiate the optimizer with the implementation CUDA would pick, and a label for the row.
-
-    torch picks foreach kernels by default only for CUDA tensors; to make every backend run what CUDA runs,
-    an optimizer that takes `foreach` and is given neither `foreach` nor `fused` gets foreach=True.
-    """
-    accepted = inspect.signature(partial.func).parameters
-    chosen = {k: partial.keywords.get(k) for k in ("foreach", "fused") if k in accepted}
-    if "foreach" in chosen and all(v is None for v in chosen.values()):
-        partial.keywords["foreach"] = True
-        chosen["foreach"] = True
-    impl = next((k for k, v in chosen.items() if v), "single_tensor" if chosen else "")  # foreach=False: one at a time
-    name = partial.func.__name__
-    return partial(params), f"{name}({impl})" if impl else name
-
-
-def state_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
-    """Optimizer state tensors (not AdamW's scalar `step` counters, which CUDA keeps on the CPU); which of them
-    are on the device is the engine's to say (Engine.on_device)."""
-    return [
-        t
-        for state in optimizer.state.values()
-        for t in state.values()
-        if isinstance(t, torch.Tensor) and t.dim() > 0
-    ]
-
-
-def autocast_factory(device_type: str, dtype: torch.dtype | None):
-    """A zero-arg factory of the forward's autocast context (a no-op context without autocast)."""
-    if dtype is None:
-        return contextlib.nullcontext
-    return lambda: torch.autocast(device_type, dtype=dtype)
 
 
 def completion_batch(spec, rows: int, data, completion: int, device) -> dict:

@@ -31,8 +31,11 @@ import torch
 import torch.nn.functional as F
 
 from vlmprobe.errors import ConfigError, require_counts, require_flags
+from vlmprobe.states import Phase
 from vlmprobe.steps import logprob
 from vlmprobe.steps.common import Meter, PhaseClock, StepReport, completion_batch
+
+__all__ = ["dpo_steps", "DPOSettings", "sequence_log_probs"]
 
 if TYPE_CHECKING:  # steps sit below models in the layering: the shape is passed in, never built here
     from vlmprobe.models.base import DataShape
@@ -104,7 +107,7 @@ def dpo_steps(spec, engine, reference, data: "DataShape", device, meter: Meter, 
             # the HF Trainer's compute_loss runs under accelerate's autocast, the reference's forward included
             with autocast():
                 logps, kept = sequence_log_probs(settings, engine.model, batch, policy=True)
-                clock.close("forward")
+                clock.close(Phase.FORWARD)
                 ref_logps = None
                 if settings.reference:
                     scorer = reference if reference is not None else engine.model
@@ -112,11 +115,11 @@ def dpo_steps(spec, engine, reference, data: "DataShape", device, meter: Meter, 
                         # TRL's LoRA reference is the policy's own forward, its fused head's outputs with it
                         ref_logps = sequence_log_probs(settings, scorer, batch, policy=reference is None)[0]
                 loss = dpo_loss(logps, ref_logps) / accum  # the HF Trainer divides by the accumulation steps
-                clock.close("reference" if settings.reference else "forward")
+                clock.close(Phase.REFERENCE if settings.reference else Phase.FORWARD)
             del logps, kept, ref_logps  # the trainer's locals die as its compute_loss returns
             report.activations_bytes = meter.current() - before_forward
             engine.backward(loss)
             del loss
-            clock.close("backward")
+            clock.close(Phase.BACKWARD)
         clock.end_step(engine, engine.step, started)
     clock.finish(engine)

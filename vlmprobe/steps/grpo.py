@@ -31,9 +31,12 @@ from typing import TYPE_CHECKING
 import torch
 
 from vlmprobe.errors import ConfigError, require_counts, require_flags
+from vlmprobe.states import Phase
 from vlmprobe.steps import logprob
 from vlmprobe.steps.common import Meter, PhaseClock, StepReport, completion_batch
 from vlmprobe.steps.rollout import ROLLOUTS, rollout
+
+__all__ = ["grpo_steps", "GRPOSettings"]
 
 if TYPE_CHECKING:  # steps sit below models in the layering: the shape is passed in, never built here
     from vlmprobe.models.base import DataShape
@@ -150,7 +153,7 @@ def grpo_steps(spec, engine, reference, data: "DataShape", device, meter: Meter,
                 # the ids die here: TRL turns them into lists and pads them again below
                 rollout(spec, policy, dataclasses.replace(data, batch_size=rows * accum), device, completion,
                         settings.rollout)
-            clock.close("generate")
+            clock.close(Phase.GENERATE)
         batches = [completion_batch(spec, rows, data, completion, device) for _ in range(accum)]
         mask = torch.ones(rows * accum, completion, dtype=torch.int32, device=device).split(rows)
         advantages = torch.zeros(rows * accum, dtype=torch.float32, device=device).split(rows)
@@ -159,7 +162,7 @@ def grpo_steps(spec, engine, reference, data: "DataShape", device, meter: Meter,
             scorer = reference if reference is not None else engine.model
             with torch.no_grad(), autocast(), (disabled_adapters() if reference is None else contextlib.nullcontext()):
                 ref_logps = [log_probs(settings, scorer, b, completion, with_entropy=False)[0] for b in batches]
-            clock.close("reference")
+            clock.close(Phase.REFERENCE)
         buffered = (batches, mask, advantages, ref_logps)  # the previous step's rollout dies here
         for i in range(accum):
             before_forward = meter.current()
@@ -168,10 +171,10 @@ def grpo_steps(spec, engine, reference, data: "DataShape", device, meter: Meter,
                 loss = grpo_loss(settings, logps, ref_logps[i], mask[i], advantages[i], accum)
             del logps, entropy
             report.activations_bytes = meter.current() - before_forward
-            clock.close("forward")
+            clock.close(Phase.FORWARD)
             engine.backward(loss)
             del loss
-            clock.close("backward")
+            clock.close(Phase.BACKWARD)
         clock.end_step(engine, engine.step, started)
         del batches, mask, advantages, ref_logps  # `buffered` keeps them
     clock.finish(engine)

@@ -28,9 +28,12 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import sys
 
 import torch
+
+from vlmprobe.models.base import unwrapped
+
+__all__ = ["chunked", "full_fp32", "full_sequence", "gathered", "logits_to_keep"]
 
 TOKEN_CHUNK = 4096  # tokens per projection tile (TOKEN_CHUNK_SIZE)
 VOCAB_CHUNK = 32768  # vocabulary columns per tile (_CHUNKED_LOGPROB_CHUNK_SIZE)
@@ -115,15 +118,6 @@ def chunked(model, batch: dict, completion: int, compact: bool, extras: tuple[st
     finally:
         del module.forward  # the class's forward again
     return tuple(None if x is None else x[:, -completion:] for x in per_token)
-
-
-def unwrapped(model):
-    """The model inside DDP or a DeepSpeed engine (both keep it as `.module`); the model itself otherwise."""
-    from torch.nn.parallel import DistributedDataParallel
-
-    deepspeed = sys.modules.get("deepspeed")  # no DeepSpeed engine exists unless DeepSpeed was imported
-    wrappers = (DistributedDataParallel, *((deepspeed.DeepSpeedEngine,) if deepspeed else ()))
-    return model.module if isinstance(model, wrappers) else model
 
 
 def _fused_forward(model, labels, completion: int, compact: bool, extras: tuple[str, ...], **inputs):

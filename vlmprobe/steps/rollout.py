@@ -27,6 +27,8 @@ import functools
 
 import torch
 
+__all__ = ["rollout", "ROLLOUTS"]
+
 ROLLOUTS = ("last_step", "full")
 
 

@@ -6,20 +6,24 @@ was (vlmprobe.steps.common: one peak window per phase).
 
 from __future__ import annotations
 
+from vlmprobe.states import Phase
 from vlmprobe.steps.common import Meter, PhaseClock, StepReport
+
+__all__ = ["train_steps"]
+
 
 def train_steps(spec, engine, batch, meter: Meter, steps: int, autocast, report: StepReport,
                 accum: int = 1, hold_outputs: bool = False, replay=None) -> None:
     """Run `steps` optimizer steps of `accum` micro batches each, filling `report` as they go (so an
     out-of-memory leaves what was measured before it); `autocast` is a zero-arg factory of the forward's
     autocast context. Phase peaks are per micro step, the max over all of them. `engine`
-    (vlmprobe.distributed.engines) owns the model and optimizer: single GPU, DDP or a sharded engine.
+    (vlmprobe.distributed) owns the model and optimizer: single GPU, DDP or a sharded engine.
 
     hold_outputs keeps each forward's outputs (the logits) alive until the next forward has returned, as a
     loop that writes `_, loss = model(...)` does (nanoVLM's measure_vram.py); otherwise they die with the
     forward, once autograd no longer needs them.
 
-    replay (vlmprobe.estimate.step_replay, the estimate's): runs the first forward and backward and replays the
+    replay (vlmprobe.estimate.replay.steps, the estimate's): runs the first forward and backward and replays the
     later ones from their allocations (not with accumulation), and replays the optimizer steps from an earlier
     point's where this process has logged them."""
     clock = PhaseClock(meter, report)
@@ -50,8 +54,8 @@ def train_steps(spec, engine, batch, meter: Meter, steps: int, autocast, report:
             # counts on the host as it hands out blocks, so no sync is needed for this figure.
             report.activations_bytes = meter.current() - before_forward
             held = kept  # rebinding lets the previous outputs die, as `_, loss = model(...)` does
-            clock.close("forward")
+            clock.close(Phase.FORWARD)
             backward(loss)
-            clock.close("backward")
+            clock.close(Phase.BACKWARD)
         clock.end_step(engine, step, started)
     clock.finish(engine)

@@ -1,0 +1,75 @@
+"""`python -m vlmprobe [+sweep=NAME] [overrides]`: plan every point, run them, write the tables.
+
+Overrides are Hydra's (key=value; +key=value adds a key or a sweep axis). dry_run=true plans and validates
+every point and runs and writes nothing.
+
+Exit codes: 0 the sweep ran (OOM points are results); 1 every point failed for a reason other than memory,
+or vlmprobe itself failed (one line, and a log file with the traceback); 2 bad input (one line on stderr,
+before any point runs and before anything is written); 130 interrupted (Ctrl-C: one line saying how many
+rows are kept, where, and the command that resumes).
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+
+from vlmprobe import interrupt
+from vlmprobe.config.overrides import compose_command, composing
+from vlmprobe.errors import ConfigError, first_line, log_internal_error
+from vlmprobe.paths import CONF
+
+__all__ = ["main"]
+
+
+def say(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """The command; returns its exit code. Every failure is one line on stderr, never a traceback."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if any(a in ("-h", "--help") for a in argv):
+        print(__doc__.strip() + "\n\nSee README.md for the config keys and sweeps.")
+        return 0
+    state: dict = {"out_dir": None}  # where rows go, once there is such a place
+    # A library's log call that cannot format its own message (transformers, given a strange setting) makes the
+    # logging module print a traceback of its own; the setting's refusal is the line the user needs
+    logging.raiseExceptions = False
+    with interrupt.watching():
+        try:
+            return run_guarded(argv, state)
+        except KeyboardInterrupt:
+            # imported here: pandas reads the rows kept, and is not imported before the first point (see below)
+            from vlmprobe.run.resume import interrupted_line
+
+            say(interrupted_line(argv, state["out_dir"]))
+            return 130
+
+
+def run_guarded(argv: list[str], state: dict) -> int:
+    """The command, its failures turned into exit codes: bad input 2 (one line), vlmprobe's own fault 1 (one line
+    and a log file holding the traceback)."""
+    if not CONF.is_dir():
+        say(f"vlmprobe: config directory {CONF} not found; install from a checkout with `pip install -e .`")
+        return 2
+    try:
+        with composing() as compose:
+            cfg = compose_command(compose, argv)  # a bad override is refused before torch is imported
+            with interrupt.deferred():
+                # imported here, after the command line is known to be good, and with a Ctrl-C deferred: torch's,
+                # transformers' and pandas' native start-up code crashes the process when interrupted inside
+                from vlmprobe.run import command
+            return command.run(cfg, argv, compose, state)
+    except ConfigError as exc:
+        if interrupt.received():  # a library failed because Ctrl-C struck inside it
+            raise KeyboardInterrupt from None
+        say(f"vlmprobe: {exc}")
+        return 2
+    except Exception as exc:
+        if interrupt.received():
+            raise KeyboardInterrupt from None
+        log = log_internal_error(exc, state["out_dir"])
+        say(f"vlmprobe: internal error, not a problem with your input ({type(exc).__name__}: "
+            f"{first_line(exc)}); the traceback is in {log}")
+        return 1

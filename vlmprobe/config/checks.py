@@ -1,0 +1,129 @@
+"""One line for each bad value of a config, where the values enter, before anything is built: the command's own
+keys (config.yaml), and each point's train, measure and step sections. Where a point cannot run here for want of
+a package or a kernel, it is not refused but skipped, and its row says why (`*_skip`).
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+from pathlib import Path
+
+from vlmprobe import backends, quantization
+from vlmprobe.errors import ConfigError, require_flags
+from vlmprobe.gpu import alloc_conf, device_profile
+from vlmprobe.knobs import validate_knobs
+from vlmprobe.point.build import step_settings
+from vlmprobe.sizes import parse_bytes
+
+__all__ = ["DTYPE_NAMES", "RECORD_HISTORY", "STEPS", "allocator_skip", "check_measure", "check_step",
+           "check_top_level", "check_train", "kernel_skip", "resolve_backend"]
+
+DTYPE_NAMES = ("float32", "bfloat16", "float16")
+RECORD_HISTORY = ("off", "alloc", "all")
+STEPS = ("sft", "grpo", "dpo")
+
+
+def check_top_level(base: dict) -> None:
+    """The keys of config.yaml itself (the groups are checked per point)."""
+    if not isinstance(base["dry_run"], bool):
+        raise ConfigError(f"dry_run={base['dry_run']!r} is not allowed: use true or false")
+    parse_bytes(base["memory_budget"], "memory_budget")
+    name = base["sweep"]["name"]
+    if not isinstance(name, str) or not name.strip() or "/" in name or name in (".", ".."):
+        raise ConfigError(f"sweep.name={name!r} is not allowed: give a name (it names the results folder)")
+    limit = base["sweep"].get("max_points")
+    if not isinstance(limit, int) or isinstance(limit, bool) or limit <= 0:
+        raise ConfigError(f"sweep.max_points={limit!r} is not allowed: it must be a positive integer")
+    for key in ("results_dir", "resume"):
+        value = base[key]
+        if key == "resume" and value is None:
+            continue
+        if not isinstance(value, str) or not value.strip():
+            raise ConfigError(f"{key}={value!r} is not allowed: give a directory path")
+    results = Path(base["results_dir"])
+    existing = next(p for p in (results, *results.parents) if p.exists() or p == Path("."))
+    if not existing.is_dir():
+        raise ConfigError(f"results_dir={base['results_dir']} is not allowed: {existing} is a file, not a directory; "
+                          f"give a directory (it is made if missing)")
+    if base["resume"] and not Path(base["resume"]).is_dir():
+        raise ConfigError(f"resume={base['resume']} is not allowed: it is not a directory; give the results dir "
+                          f"of an earlier run (results/<sweep>/<timestamp>)")
+
+
+@functools.lru_cache(maxsize=None)
+def resolve_backend(name: str) -> str:
+    """measure.backend as the points run it (auto: cuda where a GPU is usable, else estimate)."""
+    return backends.resolve(name)[0]
+
+
+def check_train(train: dict, backend: str, dist: str) -> None:
+    """The knobs, QLoRA's settings and the dtypes."""
+    validate_knobs(train)
+    quantization.validate(train, backend, dist)
+    if train["param_dtype"] not in DTYPE_NAMES:
+        raise ConfigError(f"train.param_dtype={train['param_dtype']!r} is not allowed: use one of {', '.join(DTYPE_NAMES)}")
+    if train["autocast_dtype"] not in (*DTYPE_NAMES[1:], None):
+        raise ConfigError(f"train.autocast_dtype={train['autocast_dtype']!r} is not allowed: use bfloat16, float16 or null")
+
+
+def check_measure(cfg: dict) -> tuple[device_profile.DeviceProfile | None, alloc_conf.AllocatorSettings]:
+    """The measure section and the target card; (the card's profile or None, the allocator settings). Sizes are
+    turned into bytes in place (measure.device_memory)."""
+    measure = cfg["measure"]
+    steps = measure["steps"]
+    if not isinstance(steps, int) or isinstance(steps, bool) or steps <= 0:
+        raise ConfigError(f"measure.steps={steps!r} is not allowed: it must be a positive integer")
+    measure["device_memory"] = parse_bytes(measure["device_memory"], "measure.device_memory")
+    # the target card: a capacity above it, or bfloat16 on a card without it, is refused before any model is built
+    profile = device_profile.from_config(cfg["device"])
+    device_profile.check(measure["device_memory"], cfg["train"], cfg["dist"], cfg["model"].get("attn_implementation"),
+                         profile)
+    if measure["backend"] == "cuda" and measure["isolate"] is False:
+        raise ConfigError("measure.isolate=false is not allowed with backend cuda: each CUDA point runs in a fresh "
+                          "process, or one point's allocator state would leak into the next")
+    if measure["isolate"] not in ("auto", True, False):
+        raise ConfigError(f"measure.isolate={measure['isolate']!r} is not allowed: use auto, true or false")
+    if measure["record_history"] not in RECORD_HISTORY:
+        raise ConfigError(f"measure.record_history={measure['record_history']!r} is not allowed: use one of "
+                          f"{', '.join(RECORD_HISTORY)}")
+    timeout = measure["timeout_s"]
+    if timeout is not None and (not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or not timeout > 0):
+        raise ConfigError(f"measure.timeout_s={timeout!r} is not allowed: give seconds > 0, or null for no limit")
+    if measure["alloc_conf"] is not None and not isinstance(measure["alloc_conf"], str):
+        raise ConfigError(f"measure.alloc_conf={measure['alloc_conf']!r} is not allowed: give allocator settings "
+                          f"text such as \"expandable_segments:True\", or null")
+    allocator = alloc_conf.parse(measure["alloc_conf"])  # torch's parser rules: a key or value it refuses, one line
+    require_flags("measure", measure, ("snapshot", "hold_outputs"))
+    return profile, allocator
+
+
+def check_step(cfg: dict, data, spec):
+    """The step's settings (vlmprobe.point.build.step_settings: None for sft); one ConfigError line for a bad value."""
+    name = cfg["step"]["name"]
+    if name not in STEPS:
+        raise ConfigError(f"step.name={name!r} is not allowed: use one of {', '.join(STEPS)} (step=sft | step=grpo | "
+                          f"step=dpo)")
+    return step_settings(cfg, data, spec)
+
+
+def kernel_skip(cfg: dict) -> str | None:
+    """Why a point's attention kernel cannot run here: flash_attention_2 needs the flash-attn package and a
+    CUDA GPU (there is no CPU kernel to estimate it with)."""
+    if cfg["model"].get("attn_implementation") != "flash_attention_2":
+        return None
+    if cfg["measure"]["backend"] == "estimate":
+        return None  # vlmprobe.estimate.cuda_rules.flash_attn_standin stands in for the package and its kernels
+    if cfg["measure"]["backend"] != "cuda":
+        return f"flash_attention_2 has no CPU kernel to run on backend {cfg['measure']['backend']}; use sdpa or a GPU"
+    if importlib.util.find_spec("flash_attn") is None:
+        return "flash_attention_2 needs the flash-attn package (pip install flash-attn), not installed here"
+    return None
+
+
+def allocator_skip(allocator: alloc_conf.AllocatorSettings, backend: str) -> str | None:
+    """Why a point's allocator cannot be modelled: the estimate and cpu backends model the native caching
+    allocator; cudaMallocAsync reserves through the driver's pool, by rules of its own."""
+    if allocator.backend == "native" or backend == "cuda":
+        return None
+    return f"backend:cudaMallocAsync is not modelled (the {backend} backend models the native caching allocator)"

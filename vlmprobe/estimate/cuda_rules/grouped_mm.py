@@ -1,0 +1,119 @@
+"""CUDA's grouped matrix multiply (`torch._grouped_mm`: a mixture-of-experts layer's experts) for fake tensors.
+
+transformers runs MoE experts (Qwen3-VL-MoE, `experts_implementation="grouped_mm"`, its default) through
+`torch.nn.functional.grouped_mm` -> aten `_grouped_mm`: the tokens sorted by expert, one (S, K) x (E, K, N)
+multiply with per-expert row offsets; its backward is two more (torch 2.13: the input's gradient as (S, N) x
+(E, N, K), the weights' as one (E, K, N) output of a 2-D x 2-D call). Fake tensors take torch's meta kernel for it,
+which differs from the CUDA kernel in two ways that change what the estimate allocates:
+
+- dtypes: the meta kernel takes bf16 only (its checks are those of the CUTLASS fast path), while CUDA's
+  `_grouped_mm_cuda` (GroupedBlas.cpp, GroupedMMUtils.h) takes fp32, bf16 and fp16 and runs what the fast path
+  does not take (fp32/fp16, or bf16 off sm90/sm100) as a loop of `mm_out` into one output. grouped_mm has no
+  autocast kernel, and transformers casts the tokens to the experts' dtype, so a model with fp32 weights under
+  bf16 autocast runs its experts in fp32 on CUDA, activations and all: the estimate must do the same, not fail.
+- layout: CUDA makes the output with `create_grouped_gemm_output_tensor`, whose last dimension's stride is padded
+  to a multiple of 16 bytes (TMA alignment); the meta kernel pads only where torch was built with CUDA, so a CPU
+  torch's estimate would get the unpadded size. Equal wherever that dimension is a multiple of 16 bytes (every
+  published MoE's); not for an odd width.
+
+While `cuda_grouped_mm()` is active the meta kernel is CUDA's rules: its input checks (the dtypes, 2-D / 3-D
+operands, offsets with a 2-D operand, 16-byte strides), the output dtype (`mat_a`'s, as
+`_resolve_grouped_mm_out_dtype` requires) and the padded layout; both operands in one dtype, as the fallback's
+`mm_out` requires. Not counted: the fast path's transient buffers (per-group pointers and the CUTLASS workspace,
+a few KiB freed when the kernel is queued) and the fallback's host copy of the offsets. The cpu backend runs
+torch's CPU kernel, unpadded: estimate and cpu agree where the widths are aligned (tests use aligned widths).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+
+import torch
+from torch.library import Library
+
+__all__ = ["cuda_grouped_mm"]
+
+TMA_ALIGNMENT = 16  # bytes: the output's strides but the last are multiples (create_grouped_gemm_output_tensor)
+DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # _grouped_mm_validate_inputs
+
+
+def _check_strides(name: str, mat: torch.Tensor) -> None:
+    """check_valid_strides_and_return_transposed: one of the last two dimensions contiguous, the other's stride a
+    multiple of 16 bytes."""
+    strides, sizes = mat.stride(), mat.shape
+    alignment = TMA_ALIGNMENT // mat.element_size()
+    if strides[-2] == 1 and strides[-1] >= max(1, sizes[-2]):
+        aligned = strides[-1] % alignment == 0
+    elif strides[-1] == 1 and strides[-2] >= max(1, sizes[-1]):
+        aligned = strides[-2] % alignment == 0
+    else:
+        raise RuntimeError(f"Invalid strides/sizes, got {list(strides)} for strides and {list(sizes)} for sizes")
+    if not aligned:
+        raise RuntimeError(f"{name}: strides should be multiple of 16 bytes")
+
+
+def output_layout(mat_a: torch.Tensor, mat_b: torch.Tensor, offs: torch.Tensor | None) -> tuple[list[int], list[int]]:
+    """(sizes, strides) of CUDA's output (create_grouped_gemm_output_tensor, CUDA build): the last dimension's
+    stride padded to a multiple of 16 bytes of `mat_a`'s dtype."""
+    a_2d, b_2d = mat_a.dim() == 2, mat_b.dim() == 2
+    if a_2d and b_2d:
+        sizes = [offs.shape[0], mat_a.shape[0], mat_b.shape[1]]
+    elif a_2d:
+        sizes = [mat_a.shape[0], mat_b.shape[-1]]
+    elif b_2d:
+        sizes = [mat_a.shape[1], mat_b.shape[1]]
+    else:
+        sizes = [mat_a.shape[0], mat_a.shape[1], mat_b.shape[-1]]
+    alignment = TMA_ALIGNMENT // mat_a.element_size()
+    padded = -(-sizes[-1] // alignment) * alignment
+    strides = [padded, 1] if a_2d != b_2d else [sizes[1] * padded, padded, 1]
+    return sizes, strides
+
+
+def _grouped_mm_meta(mat_a, mat_b, offs=None, bias=None, out_dtype=None):
+    """CUDA's _grouped_mm_cuda on meta tensors: its checks, and an empty output of its dtype and layout."""
+    for name, mat in (("mat_a", mat_a), ("mat_b", mat_b)):
+        if mat.dtype not in DTYPES:
+            raise RuntimeError(f"Expected {name} to be Float32, BFloat16 or Float16 matrix, got {mat.dtype}")
+        if mat.dim() not in (2, 3):
+            raise RuntimeError(f"{name} has to be 2 or 3d")
+    if mat_a.dtype != mat_b.dtype:  # the fast path takes bf16 x bf16; the fallback's mm_out one dtype
+        raise RuntimeError(f"expected mat_a and mat_b to have the same dtype, but got: {mat_a.dtype} != {mat_b.dtype}")
+    a_2d, b_2d = mat_a.dim() == 2, mat_b.dim() == 2
+    if not (a_2d and b_2d) and mat_a.shape[-1] != mat_b.shape[-2]:
+        raise RuntimeError("contraction dimension of mat_a and mat_b must match")
+    _check_strides("mat_a", mat_a)
+    _check_strides("mat_b", mat_b)
+    if (offs is not None) != (a_2d or b_2d):
+        raise RuntimeError("Have to provide offsets if there is a 2d matrix, or no offset if both matrices are 3d")
+    if offs is not None and (offs.dim() != 1 or offs.dtype != torch.int32):
+        raise RuntimeError("offs has to be 1D" if offs.dim() != 1 else "Offsets have to be int32")
+    if bias is not None:
+        raise RuntimeError("Bias not supported yet")
+    if (out_dtype or mat_a.dtype) != mat_a.dtype:
+        raise RuntimeError("Grouped gemm output dtype must match `mat_a` dtype")
+    if a_2d and not b_2d and offs.shape[0] != mat_b.shape[0] or not a_2d and b_2d and offs.shape[0] != mat_a.shape[0]:
+        raise RuntimeError("matrix batch sizes have to match")
+    if not (a_2d or b_2d) and mat_a.shape[0] != mat_b.shape[0]:
+        raise RuntimeError("batched dimension has to match")
+    sizes, strides = output_layout(mat_a, mat_b, offs)
+    return torch.empty_strided(sizes, strides, dtype=mat_a.dtype, device=mat_a.device)
+
+
+@contextlib.contextmanager
+def cuda_grouped_mm():
+    """While active, fake tensors' `_grouped_mm` is CUDA's (see the module's docstring); torch's meta kernel
+    is back on exit."""
+    lib = Library("aten", "IMPL")
+    try:
+        with warnings.catch_warnings():
+            # "Overriding a previously registered kernel": torch's own meta kernel, back when lib is destroyed
+            warnings.filterwarnings("ignore", message="(?s).*Overriding a previously registered kernel")
+            # allow_override: torch 2.11 registers that meta kernel from Python (_meta_registrations), and until
+            # torch 2.13 (pytorch#182293) Library.impl refused to override a Python kernel unless asked to: every
+            # estimate on the GPU image (torch 2.11) failed here, MoE or not
+            lib.impl("_grouped_mm", _grouped_mm_meta, "Meta", allow_override=True)
+        yield
+    finally:
+        lib._destroy()

@@ -1,0 +1,76 @@
+"""Run planned points, one row each, whatever happens to a point: `run_point` runs one where it must run (a worker
+process, this process, or its ranks), `Runner` appends its row to results.csv the moment it ends, so a sweep
+killed at any moment keeps every finished row, and a resumed one skips the points that have theirs.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import sys
+from pathlib import Path
+
+from tqdm import tqdm
+
+from vlmprobe import interrupt
+from vlmprobe.point.measure import error_row, measure
+from vlmprobe.results.table import RowWriter, mib, read_table
+from vlmprobe.run.ranks import RankWriter, run_ranks
+from vlmprobe.run.workers import call_worker, isolated, worker_env
+from vlmprobe.states import Status
+
+__all__ = ["Runner", "run_point"]
+
+
+def run_point(config: dict) -> dict:
+    """Outputs of one point; never raises for a failure of the point itself. A point of several ranks
+    also carries its rank rows under "ranks" (vlmprobe.run.ranks)."""
+    distributed = config["dist"]["name"] != "none"
+    if isolated(config) and not distributed:
+        return call_worker(config, worker_env(config), config["measure"]["timeout_s"])
+    try:
+        return run_ranks(config, worker_env(config)) if distributed else measure(config)
+    except Exception as exc:
+        return error_row(exc)
+
+
+class Runner:
+    """Runs planned points into out_dir/results.csv, one row each, written as soon as its point ends. A point
+    whose id already has a row there (resume) is not run again: its row is returned."""
+
+    def __init__(self, out_dir: Path, columns: list[str]):
+        self.out_dir = out_dir
+        csv_path = out_dir / "results.csv"
+        self.writer = RowWriter(csv_path, columns)
+        table = read_table(csv_path)
+        self.done = {row["point_id"]: row for row in table.astype(object).where(table.notna(), None).to_dict("records")}
+        self.statuses: list[str] = []  # of the points run here, not of the resumed ones
+        self.ranks = RankWriter(out_dir)
+
+    def run(self, item) -> dict:
+        if item.point.id in self.done:
+            return self.done[item.point.id]
+        outputs = {"status": Status.SKIPPED, "error": item.skip} if item.skip else run_point(self.with_snapshot_file(item))
+        if interrupt.received():  # Ctrl-C struck inside the point and a library turned it into a failure
+            raise KeyboardInterrupt
+        return self.record(item, outputs)
+
+    def record(self, item, outputs: dict) -> dict:
+        """Append the row of a point that has run (here, or in a worker of launcher=pool) and say so."""
+        outputs.setdefault("backend", item.config["measure"]["backend"])
+        if "ranks" in outputs:
+            self.ranks.append(item.point.id, outputs.pop("ranks"))
+        row = {**item.inputs, **outputs}
+        self.writer.append(row)
+        self.done[item.point.id] = row
+        self.statuses.append(row["status"])
+        peak = mib(row.get("peak_allocated_bytes"))
+        tqdm.write(f"  {item.point.id}: {row['status']}" + (f", peak {peak} MiB ({row['backend']})" if peak else "")
+                   + (f" - {str(row.get('error') or '').splitlines()[0][:160]}" if row["status"] != Status.OK else ""),
+                   file=sys.stderr)
+        return row
+
+    def with_snapshot_file(self, item) -> dict:
+        """The point's config with the file its allocator snapshot goes to, should it write one."""
+        name = hashlib.sha1(item.point.id.encode()).hexdigest()[:12]
+        measure = {**item.config["measure"], "snapshot_file": str(self.out_dir / "snapshots" / f"{name}.pickle")}
+        return {**item.config, "measure": measure}
