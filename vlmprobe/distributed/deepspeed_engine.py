@@ -1,49 +1,14 @@
 """DeepSpeed ZeRO-1/2/3: the real engine (deepspeed.initialize), driven by the measured step like any engine.
 
 The process group exists before the engine (the fake group for the estimate, the launcher's real group for
-cpu and cuda): deepspeed.comm adopts it (comm/comm.py:init_distributed returns early when torch.distributed
-is initialised; dist_init_required=False). The config is the point's `dist` options in DeepSpeed's keys, or
-the user's own JSON (dist.deepspeed_config) with the "auto" values HF Trainer fills in, filled in from the
-point as it would (transformers integrations/deepspeed.py: batch sizes, precision, bucket sizes from the
-LM's hidden size).
-
-Six things a real job does not meet are answered where they are met, and nothing else of DeepSpeed is
-touched: 1. and 2. on fake tensors (the estimate), 3. and 5. on a fake group, 4. and 6. where the device is the CPU.
-Real ranks in a real job run DeepSpeed's own code (but for 4. on the cpu backend). Checked against real gloo
-ranks (tests/test_deepspeed.py): the point's peak to the byte; per rank and phase within 16 KiB (real ranks
-themselves vary that much from run to run):
-1. `module.to(device)` in engine.py:DeepSpeedEngine._configure_distributed_model: torch swaps every fake
-   parameter on `.to()`, and the swap fails. The model is on its device already, so the call is skipped.
-2. `.item()` of a fake tensor has no value: DeepSpeed reads scalars for its overflow / invalid-norm checks
-   (runtime/utils.py:is_invalid_grad_norm, stage_1_and_2.py:has_overflow): the tracker answers them as a
-   healthy step reads them (vlmprobe.estimate.tracker). A step DeepSpeed skips anyway is an error, not a figure.
-3. stage 3 checks that every rank traced the same modules (runtime/zero/utils.py:get_lst_from_rank0 and
-   assert_lst_len_same_as_other_ranks broadcast rank 0's list). A fake group moves no data; every simulated
-   rank traces the same modules, so while the group is fake the local list answers.
-4. engine.py:_do_sanity_check refuses fp16 where `get_accelerator().is_fp16_supported()` is false: the
-   CPU accelerator asks oneDNN whether this CPU has fp16 kernels; the figures are for a CUDA card, which has
-   them (V100s train in fp16), so while the engine is made on the CPU it answers True.
-5. deepspeed.comm's backend, made when zero.Init or initialize first meets the group (comm/torch.py:
-   TorchBackend), builds DeepSpeed's shared-memory all-reduce op (comm/torch.py:build_shm_op) wherever the
-   accelerator is the CPU: a C++ extension compiled on its first use on a machine (~20 s here, and it needs a
-   compiler). Only tensor-parallel inference calls it (inference_all_reduce), never ZeRO, and on a fake group
-   no rank shares memory with another (the op's initialize sets nothing up without LOCAL_SIZE), so while the
-   group is fake the op is not built. Real gloo ranks build it as DeepSpeed does.
-6. stages 1-2 flatten each parameter group into one buffer (stage_1_and_2.py, DeepSpeedZeroOptimizer.__init__):
-   on the device where `get_accelerator().available_memory()` (after `empty_cache()`) holds it, the model's
-   parameters and the buffer both alive meanwhile; else the parameters are first copied to the host (`.cpu()`),
-   freed on the device, flattened there and the buffer copied back, so the device never holds both. On CUDA
-   that is NVML's free memory: the card's total less its CUDA context and what the caching allocator holds.
-   The CPU accelerator answers the machine's free RAM, which would make the choice depend on the machine the
-   estimate runs on; so while the engine is made on the CPU, `empty_cache()` empties the allocator model and
-   `available_memory()` answers as CUDA would on the point's card (measure.device_memory or the device
-   profile's total, less the profile's context where known, less the model's reserved bytes; with neither
-   the card is taken to have room, and the group is flattened on the device). The host copies are host memory
-   (vlmprobe.distributed.host_memory: peak_host_bytes), as on CUDA, and so is everything the flatten through the
-   host makes (the padding DeepSpeed makes on the host copies' `.device`, which here names the device too).
-Offload to the CPU runs on every backend; on cpu and estimate, where the device is the CPU too, the buffers
-DeepSpeed makes on the host are counted apart (vlmprobe.distributed.host_memory: peak_host_bytes, outside
-every device figure). DeepSpeed's optimizer is then AdamW with `torch_adam` (no compiled CPUAdam op).
+cpu and cuda) and deepspeed.comm adopts it (dist_init_required=False). The config is the point's `dist` options
+in DeepSpeed's keys, or the user's own JSON (dist.deepspeed_config) with the "auto" values HF Trainer fills in,
+filled in from the point as it would (transformers integrations/deepspeed.py).
+Six things a real job does not meet are answered where they are met, and nothing else of DeepSpeed is touched:
+on fake tensors `module.to(device)` and `.item()`, on a fake group stage 3's module-list check and the
+shared-memory all-reduce op, on a CPU device fp16 support and free memory (each in docs/distributed.md).
+Offload to the CPU runs on every backend; where the device is the CPU too, the buffers DeepSpeed makes on the
+host are counted apart (vlmprobe.distributed.host_memory). DeepSpeed's optimizer is then AdamW with `torch_adam`.
 """
 
 from __future__ import annotations

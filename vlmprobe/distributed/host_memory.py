@@ -1,51 +1,13 @@
 """Offload to the CPU where the device is the CPU too: which buffers DeepSpeed or FSDP2 keep in host memory.
 
-On the cpu and estimate backends every tensor is a CPU tensor, so host and device memory are one pool. A
-CUDA run tells them apart by the device each buffer is made on. Two engines offload, each with its own
-context here: `host_placement()` (DeepSpeed) and `fsdp2_offload_placement()` (FSDP2's CPUOffloadPolicy).
-
-DeepSpeed names that device in its own code: the accelerator's device (`get_accelerator().current_device_name()`, a tensor's `.device`) for
-device buffers, the host as the string "cpu" (`self.device = 'cpu'` / `OffloadDeviceEnum.cpu` of the
-offload paths, `remote_device` of partitioned parameters), no device at all (torch's default device is the
-CPU on CUDA too: the pinned fp16 flat buffer of stage3.py:_create_param_groups_fp16_flat_cpu_memory), or
-`.cpu()`. `host_placement()` reads those names where they are given and tells the tracker
-(vlmprobe.estimate.tracker.PLACEMENT):
-- the CPU accelerator's device name becomes `AcceleratorDevice("cpu")`, a str that is still "cpu" to torch
-  and DeepSpeed but says "device" here; a torch.device object (a tensor's `.device`) says "device" too;
-- torch.empty / zeros / ones / full (DeepSpeed's factories) place what they make by their `device`: a plain
-  "cpu" string, or none, is the host (none: the device while the model is built, under `placed("device")`).
-  deepspeed.zero.Init wraps the same factories while the model is built and puts back, when it ends, the
-  ones it kept when DeepSpeed was imported (partition_parameters.py: `_orig_torch_empty`, ...): those are
-  placed too, so its pieces made on `remote_device` "cpu" are the host and the placement outlives it;
-- `Tensor.to` / `.cpu()` across sides copy, as on CUDA (on the CPU they would alias): the copy of an
-  offloaded partition to the device before its all-gather (partition_parameters.py: `ds_tensor.to(
-  current_device_name())`), the host gradient buffer brought to the device to add a micro step's gradient
-  (stage3.py:partition_grads, `grad_buffer.to(grad_partition.device)`); `.to(dtype=...)` stays on its side;
-- the accelerator's `pin_memory(t)` is a pinned copy of `t` on the host (torch's `t.pin_memory()`), and
-  `on_accelerator(t)` answers whether `t` is a device buffer (stage3.py:partition_grads chooses its copy path
-  by it).
-Everything else is placed by the tracker: an op over host storages only runs on the host (the optimizer
-step over the fp32 partitions, its moments, the gradient norms of the host gradients), any other on the
-device (forward, backward, the gathered parameters, the reduce buckets).
-Host figures are the bytes of live host buffers, pinned ones rounded up to a power of two as torch's
-CachingHostAllocator rounds them; a freed pinned block that torch keeps cached for reuse is not counted (as a
-freed device block is not in `allocated`). DeepSpeedCPUAdam's in-place update is not modelled (here torch's
-AdamW over the host partitions, with its temporaries).
-
-FSDP2 (torch/distributed/fsdp/_fully_shard) moves tensors across in four places, all with torch's own calls,
-and names the host as `torch.device("cpu")`, which on a CPU mesh is its device's name too; so its moves are
-told by where they are made, not by their arguments:
-- `FSDPParam.reset_sharded_param` (run by `to_empty`, which materialises the sharded model on the device):
-  `local_tensor.cpu().pin_memory()`, a host copy of the shard, pinned; `is_pinned()` is asked first;
-- `FSDPParam.all_gather_inputs`: `sharded_param_data.to(self.device, non_blocking=True)`, the shard copied to the
-  device before each all-gather (it dies when the all-gather's copy-in is done);
-- `foreach_reduce` (`_fsdp_collectives`, called by `FSDPParamGroup.post_backward`): the reduce-scattered gradient
-  `.to(torch.device("cpu"), non_blocking=...)`, a host copy; non-blocking (pinned, no accumulation, no
-  post-accumulate hook) makes torch's `_to_copy` put it in pinned memory (`pin_out` in aten's `_to_copy`);
-- a `.cpu()` anywhere is a copy to the host, as under DeepSpeed.
-Inside the last two of those scopes a `.to()` that names a device copies to that scope's side; elsewhere `.to()`
-is left alone, as a model's `.to(x.device)` is a no-op on CUDA. The optimizer step over the host shards and
-their host gradients runs on the host by the tracker's rule.
+On the cpu and estimate backends host and device memory are one pool of CPU tensors; a CUDA run tells them apart
+by the device each buffer is made on, so each engine that offloads has a context here that tells the tracker
+(vlmprobe.estimate.tracker.PLACEMENT) each buffer's side: `host_placement()` reads the device DeepSpeed names
+(the accelerator's device, or the host as "cpu"); `fsdp2_offload_placement()` (FSDP2's CPUOffloadPolicy) tells
+FSDP2's moves by where they are made, as on a CPU mesh its host has its device's name. A move across sides
+copies, as on CUDA; the tracker places the rest. Host figures are the bytes of live host buffers, pinned ones
+rounded up to a power of two as torch's CachingHostAllocator rounds them. DeepSpeedCPUAdam's in-place update is
+not modelled (torch's AdamW instead). docs/distributed.md lists the calls each context reads.
 """
 
 from __future__ import annotations

@@ -2,12 +2,10 @@
 
 - fake: `init_process_group("fake", FakeStore)`: one process plays rank r of N, every collective returns at
   once without moving data. The estimate backend simulates a rank this way.
-- real: the group torchrun's environment describes (RANK, WORLD_SIZE, MASTER_ADDR, ...): gloo on real CPU
-  tensors for backend cpu, nccl with one GPU per rank for backend cuda.
-
-The 1-D mesh of all ranks is made here, when the group starts: before the backend's session, so neither
-fake tensors (DeviceMesh reads its own rank table, which a fake tensor cannot answer) nor the tracker see
-its small CPU index tensors, on any backend alike.
+- real: the group torchrun's environment describes: gloo on real CPU tensors for backend cpu, nccl with one
+  GPU per rank for backend cuda.
+The 1-D mesh of all ranks is made when the group starts, before the backend's session, so neither fake tensors
+nor the tracker see its small CPU index tensors.
 """
 
 from __future__ import annotations

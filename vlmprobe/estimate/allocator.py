@@ -1,82 +1,14 @@
 """A deterministic model of PyTorch's CUDA caching allocator, for one device and one stream.
 
-`torch.cuda.memory_allocated()` / `max_memory_allocated()` count the sizes of the allocator's
-*blocks*, not the bytes tensors asked for, and blocks are often larger than the request; the card
-itself sees the *segments* the allocator reserved (`memory_reserved()`), and the difference is
-fragmentation. This module replays the sequence of (allocate n bytes / free that allocation) events
-the tracker sees through a pure-Python copy of the rules of `DeviceCachingAllocator` in
-`c10/cuda/CUDACachingAllocator.cpp` (constants in `c10/core/AllocatorConfig.h`) as in torch
-2.11-2.13, with the settings of PYTORCH_ALLOC_CONF that change device memory
-(vlmprobe.gpu.alloc_conf), and reports the `allocated_bytes`, `reserved_bytes`, `active_bytes`
-and `requested_bytes` figures ("all"/aggregate stat type) with their peaks, `num_alloc_retries` and
-`num_ooms`.
-
-Modelled (each rule names the source function it mirrors):
-- `round_size`: requests round up to a multiple of kMinBlockSize (512 B); with
-  `roundup_power2_divisions`, a request above 512 B x divisions rounds up to the next of `divisions`
-  equal steps between two powers of two (`roundup_power2_next_division`), the divisions looked up
-  per power of two from 1 MiB (`AcceleratorAllocatorConfig::roundup_power2_divisions(size)`).
-- `get_pool`: rounded sizes <= kSmallSize (1 MiB) use the small pool, larger ones the large pool.
-- `get_allocation_size`: a new segment (cudaMalloc) is kSmallBuffer (2 MiB) for small requests,
-  `large_segment_size` (20 MiB unless `large_segment_size_mb`) for requests < kMinLargeAlloc
-  (10 MiB), else the request rounded up to kRoundLarge (2 MiB).
-- `get_free_block`: best fit, the smallest cached free block >= the request in the request's pool;
-  ties go to the older segment, then the lower address; with a finite `max_split_size_mb`, a
-  request < max_split_size never takes a block >= max_split_size and a request >= max_split_size
-  only takes a block < request + max_non_split_rounding_size (20 MiB unless
-  `max_non_split_rounding_mb`); with expandable segments a block at the growing end of a segment
-  counts as large as it could grow (`expandable_size`), so best fit prefers other blocks.
-- `should_split` / `alloc_found_block`: the block is split, the front part handed out and the
-  rest cached, when the remainder is >= kMinBlockSize (small pool, or expandable segments) or
-  > kSmallSize and the request < max_split_size (large pool); otherwise the whole block is charged.
-- `free_block` / `try_merge_blocks`: a freed block merges with free neighbours of its segment.
-- `alloc_block`: a new segment must fit in `capacity` - reserved (the card's memory; cudaMalloc
-  fails past it) and, where a memory fraction is set (`allowed_maximum`: vlmprobe's imposed
-  capacity on CUDA, or `per_process_memory_fraction`), reserved + the segment size must not pass
-  the allowed maximum.
-- `expandable_segments:True` (Note [Expandable Segments], `find_expandable_block`, `map_block`,
-  `try_allocate_expandable_block`, `unmap_block`, `release_expandable_segment`): one segment per
-  pool (one stream here) with address space for 9/8 of the card, into which physical pages are
-  mapped as allocations need them, 2 MiB pages in the small pool and `large_segment_size` pages
-  (20 MiB) in the large pool. A request no cached block fits maps the pages it needs at the lowest
-  address with room (after the free block at the segment's end, which it absorbs); reserved grows by
-  the pages mapped. Releasing cached memory unmaps every whole free page; a segment with nothing
-  mapped is dropped.
-- `garbage_collection_threshold` (`garbage_collect_cached_blocks`, only where a memory fraction is
-  set, as in the source): before a new segment, when reserved passes threshold x allowed maximum,
-  cached whole segments of the large pool are released, oldest (counted in get_free_block calls
-  since they were cached) first, until reserved is back under it.
-- The out-of-memory path of `malloc`: garbage collection, `alloc_block`,
-  `release_available_cached_blocks` (with max_split_size: free oversize cached segments) and retry,
-  `release_cached_blocks` (free every whole cached segment, unmap free pages) and one last retry
-  (`num_alloc_retries` += 1), then `torch.OutOfMemoryError` with CUDA's message (`oom_message`).
-- Stats (`Stat::increase`/`decrease`, `resetPeakStats`): allocated/active rise by the block size
-  on malloc and fall on free, requested by the unrounded size, reserved by the segment size on
-  cudaMalloc (the pages mapped, with expandable segments) and only falls when cached memory is
-  released; `reset_peak()` sets every peak to its current value, as
-  `torch.cuda.reset_peak_memory_stats()` does.
-- `NativeCachingAllocator::allocate`: a 0-byte request returns a null pointer and charges nothing
-  (handle 0 here; freeing it is a no-op); a request >= 1 EiB raises OutOfMemoryError.
-
-Across 2.11-2.13 these rules are the same. What changed around them: kLargeBuffer became
-`AcceleratorAllocatorConfig::large_segment_size()` (configurable through `large_segment_size_mb`,
-pytorch#172056; the 2.13 headers have it), and max_non_split_rounding_size defaults to it; recent
-sources skip expandable segments in release_available_cached_blocks and garbage collection. The
-tie-break between equal-size free blocks did change: by address in 2.11, then by a per-Block counter
-(pytorch#178362, spring 2026), then by the segment's allocation counter and address for all pools
-(pytorch#183591, May 2026, before the 2.13 branch cut; not checked against the 2.13 tag). Segments
-here get increasing synthetic addresses, so ordering by (size, address) is exactly that counter
-order; for the address-ordered versions it assumes cudaMalloc returns increasing addresses, which
-the driver does not promise. Only which of several equal-size blocks is reused depends on this.
-
-Not modelled: multiple streams and record_stream (cross-stream frees delayed by events, so
-active > allocated), CUDA graphs and other private pools (MemPool, use_mem_pool), free-memory
-callbacks (CUDA IPC), the `cudaMallocAsync` backend, cudaMalloc failures other than the capacity
-model (driver fragmentation, other processes), and device memory that does not go through the
-caching allocator at all (the CUDA context, the libraries' own cudaMalloc calls such as NCCL's
-buffers or cuBLAS/cuDNN handle state), which `memory_allocated()` does not count either. The
-capacity is the card's whole memory: the CUDA context, which takes some of it on a real card, is
-not subtracted.
+`memory_allocated()` counts the allocator's blocks, not the bytes tensors asked for, and the card sees the segments
+it reserved (`memory_reserved()`): the difference is fragmentation. The tracker's allocate / free events go through a
+pure-Python copy of the rules of `DeviceCachingAllocator` (c10/cuda/CUDACachingAllocator.cpp, constants in
+c10/core/AllocatorConfig.h, torch 2.11-2.13; each rule names the source function it mirrors), with the settings of
+PYTORCH_ALLOC_CONF that change device memory (vlmprobe.gpu.alloc_conf); the figures are its allocated, reserved,
+active and requested bytes with their peaks, `num_alloc_retries` and `num_ooms`.
+Not modelled: several streams, CUDA graphs and other private pools, `cudaMallocAsync`, cudaMalloc failures other than
+the capacity model (the card's whole memory, the CUDA context not subtracted), and memory outside the caching
+allocator. The rules one by one, and how torch's changed across 2.11-2.13: docs/estimate.md.
 """
 
 from __future__ import annotations

@@ -1,111 +1,14 @@
 """FakeTensorMode made cheaper per op, with the same answers: views and constants' values answered directly, and a
 cheaper cache key.
 
-An estimate point is tens of thousands of aten ops through FakeTensorMode (a nanoVLM-222M step pair: ~68k,
-~34k of them asking a tensor's device), and its time is their per-op cost, whatever the batch or length.
-
-1. Views answered by torch's meta kernel directly, without the dispatch cache. Why: DeepSpeed ZeRO-3 cuts flat
-   buffers into per-parameter pieces with narrow/slice/view at a new offset each time (tens of thousands per
-   step on a 7B model). FakeTensorMode keys its cache on the offsets, so every such view misses: it pays the
-   key, a Python decomposition (slice), the meta kernel and a new cache entry, ~0.5 ms a view on a 2-core
-   machine, about a third of a ZeRO-3 estimate's time. `_unsafe_view` (a view autograd does not track as one:
-   matmul's reshapes) never goes through the cache at all, so it paid the same.
-   Why the answer is the same: a view's output (size, stride, storage offset, dtype, device, and the storage it
-   aliases) is a pure function of its inputs' metadata and its arguments; FakeTensorMode computes it by running
-   the op's meta kernel on its inputs as meta tensors and wrapping the outputs (the last step of
-   FakeTensorMode._dispatch_impl; for `_unsafe_view` its fake rule is view's), and a cache hit rebuilds that
-   same output. That step is run here as is. Only where FakeTensorMode would do something else first is it left
-   to do so: an input that is not one of this mode's fake tensors (a real tensor to convert, another subclass), a
-   constant fake (it propagates the value), symbolic shapes or real-tensor propagation (neither is used by the
-   estimate). Views allocate nothing, so the tracker's figures cannot move.
-
-2. The cache key of a fake tensor as one tuple of its metadata. FakeTensorMode builds a TensorMetadata per tensor
-   argument (working out its memory format and sparsity on the way) and flattens it field by field: about half
-   of a cached op's cost here (a foreach op of AdamW keys every parameter). The tuple holds every field torch's
-   key holds for a strided, non-constant fake of this mode without symbolic shapes, except the memory format,
-   which is a function of shape and strides (both in the tuple); anything else (sparse, constant or foreign
-   tensors, symbolic values, dicts) is keyed by torch's own code. The key decides only which cached output is
-   rebuilt, so a key that tells apart every input torch's tells apart gives the same outputs. Used only while
-   torch's key is made of the fields listed here (`_KEYED_FIELDS`) and its method has the arguments known here:
-   another torch (the GPU image's) falls back to its own.
-
-3. `.item()` of a constant fake (AdamW's step counters: made by torch.tensor, so FakeTensorMode keeps their
-   values; ~1.7k reads in a nanoVLM-222M step pair) read from the constant directly. FakeTensorMode answers it
-   the same way, running the op on the constant with dispatch off, after trying its cache (which refuses
-   constants by raising) and converting the arguments: ~0.14 ms a read here.
-
-4. Elementwise foreach ops (an optimizer step: `_foreach_mul_`, `_foreach_lerp_`, `_foreach_sqrt`, ...) answered
-   directly where every list's i-th tensor has one contiguous layout and dtype. FakeTensorMode runs their meta
-   kernels, which work out type promotion, broadcasting and output strides element by element in Python
-   (~0.5 ms a parameter an op here: 1.3 s of AdamW's first step on nanoVLM-222M). Why the answer is the same: an
-   elementwise op on operands of one shape, one floating dtype and one contiguous layout, with plain numbers
-   for scalars, neither broadcasts nor promotes, so its output has that shape, dtype and layout on a storage of
-   its own; an in-place one allocates nothing and returns nothing. The output is wrapped as FakeTensorMode
-   wraps a foreach op's (FakeTensor on the element's device). Anything else (a tensor scalar, mixed dtypes or
-   layouts, integers, constants, a list of another length) goes to FakeTensorMode.
-
-5. Empty tensors (`empty`, `empty_strided`: a replayed step's fresh gradients and states, thousands a point)
-   made as FakeTensorMode's constructor rule makes them (the op run on the meta device, wrapped as a FakeTensor
-   on the asked device), without its cache key and look-up: ~0.17 ms of a ~0.2 ms creation here. Only with plain
-   integer sizes, the strided layout, no pinned memory and a device that is not meta; else FakeTensorMode.
-
-6. The fakes these answers make (a view's output, an empty tensor, a foreach op's outputs) are made as torch's
-   FakeTensor constructor makes a fake of a meta tensor on the CPU, without its argument checks: the subclass
-   made over the meta tensor with the CPU's dispatch keys, the mutable-data-pointer guard, the device and mode,
-   and the value memos (constant, nonzero, item, unique, ...) all None, which is every attribute the constructor
-   sets there (read from a fake it makes once; if one is not None, every fake is left to torch). Its
-   __init__ only records the tensor while torch.export runs, never in an estimate: left to torch while exporting.
-   ~40 us of each of a Qwen2-VL-7B ZeRO-3 step pair's ~100k fakes.
-
-7. c10d collectives on a fake process group (DeepSpeed ZeRO-3's all-gathers and broadcasts: thousands a step
-   pair on a 7B model, ~0.6 ms each through FakeTensorMode here) answered by their meta kernels directly.
-   FakeTensorMode cannot cache them (a process group is an argument) and, having no fake rule for them, runs the
-   meta kernel as its last step and wraps what it returns: the output tensors they write in place are the
-   input fakes themselves, and the Work is returned as is. That step is run here as is, where every tensor
-   taken is a non-constant fake of this mode on one device; else FakeTensorMode.
-
-8. `zeros_like` and `empty_like` (an optimizer's first step: two state tensors a parameter) of a fake with
-   contiguous strides answered directly: FakeTensorMode runs torch's Python reference for them (`full_like` over
-   `empty_like`, ~0.5 ms here). Why the answer is the same: a tensor with contiguous strides is non-overlapping
-   and dense, so the preserve format (as the contiguous one) gives it those same strides; the output has its
-   shape on a storage of its own, in the asked dtype (else its own), on its device. Values are not tracked
-   (zeros or not, a fake holds none). Any other input, layout, device or memory format goes to FakeTensorMode.
-
-9. `copy_` into, and `_to_copy` of, a fake with contiguous strides (DeepSpeed ZeRO-3 copies every gathered
-   piece into its flat buffer and converts each gradient partition to fp32: thousands a step pair on a 7B model,
-   ~0.35 ms each here). FakeTensorMode runs copy_'s meta kernel, which checks that the source broadcasts to the
-   target and returns the target, and _to_copy through its device rule and `empty_like`'s reference. Why the
-   answer is the same: a copy between tensors of one shape neither broadcasts nor allocates, and returns the
-   target itself (any dtype converts; no values are tracked); a copy of a tensor with contiguous strides is 8.'s
-   `empty_like` in the asked dtype (non_blocking changes nothing a fake holds). A broadcast, a complex source
-   into a real target (torch warns), strides other than contiguous, a constant, a foreign tensor, or arguments
-   other than these go to FakeTensorMode.
-
-10. Called by the tracker directly (LiveBytesTracker.below, answer_from_above). The tracker sits above this mode
-   on the dispatch stack; its own `func(*args)` would go back through the dispatcher, find this mode (the FAKE
-   mode key) and call FakeTensorMode.__torch_dispatch__, which only unsets the mode around self.dispatch: ~15 us
-   of each of a ZeRO-3 step pair's ~300k ops. answer_from_above does that same unset and dispatch itself, and is
-   used only while the tracker is the only user mode on the stack and this mode is the FAKE mode set beneath it,
-   so the call reaches the same code with the same arguments; with any other mode between them (a test's
-   counter, torch's own), the tracker goes through the dispatcher. So does an op this mode answers with
-   NotImplemented (an argument of a subclass it does not know, FSDP2's DTensor): the dispatcher then gives it to
-   the subclass with the tracker off the stack, as before.
-
-11. `cat` (DeepSpeed ZeRO-3 joins each gathered parameter's partitions, and the partitions of a coalesced
-   all-gather: thousands a step pair, ~0.4 ms each here; ~1 ms with `out=`). FakeTensorMode runs torch's Python
-   meta kernel for it, which works out the legacy skip of empty 1-D inputs, type promotion, the memory format and
-   the shape tensor by tensor. Why the answer is the same: tensors of one dtype, device and rank whose sizes
-   agree but along `dim` neither promote nor are skipped; with contiguous strides and at most 3 dimensions (no
-   channels-last format applies) the output is contiguous, its size along `dim` the sum of theirs, on a storage
-   of its own. With `out=` of exactly that shape, dtype and contiguous strides (no resize; no input in its
-   memory, which torch refuses) the answer is `out` itself. Anything else goes to FakeTensorMode.
-
-One branch of dispatch is not a speed-up: inside fake_patches.host_index_tensors_real (DDP's bucket rebuild),
-integer host ops run on real tensors, an answer fake tensors cannot give (see there).
-
-tests/test_fast_fake.py compares every view op's output with FakeTensorMode's own, checks that the key tells
-apart what torch's tells apart, and runs a step with FakeTensorMode's cache cross-check on; the estimate == cpu
-tests check the bytes.
+An estimate point's time is the per-op cost of its aten ops through FakeTensorMode. Answered here, each only where the
+answer is FakeTensorMode's own: views (torch's meta kernel, without the dispatch cache), a fake's cache key (one tuple
+of its metadata, while torch's key is made of `_KEYED_FIELDS`), `.item()` of a constant fake, elementwise foreach ops,
+`empty` / `empty_strided`, `zeros_like` / `empty_like`, `copy_` / `_to_copy` and `cat` of contiguous fakes, c10d
+collectives on a fake process group, and the tracker's own dispatch (answer_from_above); anything else (constants,
+foreign subclasses, symbolic shapes, other layouts) goes to FakeTensorMode. Not a speed-up: integer host ops run on
+real tensors inside fake_patches.host_index_tensors_real. Each answer and why it is the same: docs/estimate.md;
+tests/test_fast_fake.py and the estimate == cpu tests check them.
 """
 
 from __future__ import annotations

@@ -1,30 +1,12 @@
 """Live tensor storages, charged the way the CUDA caching allocator would charge them.
 
-Used by the cpu backend (real CPU tensors) and the estimate backend (fake tensors): a TorchDispatchMode
-sees every aten op below autograd, so it sees the forward, the tensors autograd saves, the backward and
-the optimizer alike. Each storage an op returns that was not seen before is allocated from a model of the
-CUDA caching allocator (vlmprobe.estimate.allocator: 512-byte rounding, segments, best fit, unsplit remainders),
-in the order the ops run, and freed there when the storage dies, or resized in place (`resize_`, how FSDP2
-frees and re-allocates unsharded parameters: the old block is freed, a new one allocated); the figures are
-that model's.
-Host memory (offload to the CPU): while `track_host()` is on, each new storage is placed on the host or the
-device, and host storages are counted apart (host_current, host_peak: plain bytes, no allocator model),
-outside every device figure. Where it goes is `PLACEMENT` when a caller set it (the offload code that
-names a side: vlmprobe.distributed.host_memory), else where its inputs are: an op whose input storages
-(0-dim scalars aside) all live on the host runs on the host, as on CUDA (the optimizer step over offloaded
-partitions); anything else runs on the device.
-What CUDA allocates that no op returns, or returns differently: the contiguous copies a CUDA kernel makes of its
-inputs while it runs (vlmprobe.estimate.cuda_rules.kernel_copies), the embedding backward's buffers
-(vlmprobe.estimate.cuda_rules.embedding_backward), a reduction's staging buffer on the target card
-(`reduction_card`; vlmprobe.estimate.cuda_rules.reduction_staging), and the autograd engine's sum of two gradients of one tensor,
-which CUDA writes into the first and the engine under a dispatch mode never does (vlmprobe.estimate.cuda_rules.gradient_sums).
-cuBLAS workspaces (`blas_workspaces`, from the target card's profile): CUDA allocates them through the caching
-allocator, so they count in memory_allocated; the tracker allocates them where CUDA does (see
-LiveBytesTracker.__init__).
-Storages that exist before the tracker starts are not counted, nor tensors made from Python data
-(`torch.tensor(...)`): a real run creates those without dispatching an allocation (only fake mode lifts
-them through `lift_fresh`), and in training code they are scalars kept on the CPU even under CUDA, such
-as AdamW's step counters.
+Used by the cpu backend (real CPU tensors) and the estimate backend (fake tensors): a TorchDispatchMode sees every
+aten op below autograd (forward, saved tensors, backward, optimizer alike). Each new storage an op returns is
+allocated from the allocator model (vlmprobe.estimate.allocator) in the order the ops run, and freed there when it
+dies, or resized in place (`resize_`); the figures are that model's. Host storages (`track_host()`, offload) are
+counted apart. What CUDA allocates that no op returns, or returns differently (vlmprobe.estimate.cuda_rules), and
+cuBLAS workspaces are charged where CUDA makes them. Storages from before the tracker starts and tensors made from
+Python data (`torch.tensor(...)`) are not counted. The details: docs/estimate.md.
 """
 
 from __future__ import annotations

@@ -1,17 +1,11 @@
 """`measure.alloc_conf` read as torch reads PYTORCH_ALLOC_CONF / PYTORCH_CUDA_ALLOC_CONF, into the settings the
 allocator model applies.
 
-The rules are torch 2.13's (the installed c10/core/AllocatorConfig.h: ConfigTokenizer; AllocatorConfig.cpp:
-AcceleratorAllocatorConfig::parseArgs and its parse* functions; c10/cuda/CUDAAllocatorConfig.{h,cpp}: the CUDA
-keys and the "Unrecognized key" check): the text is cut into tokens at `,` `:` `[` `]` with whitespace dropped;
-each entry is `key:value` (a list value in brackets), entries separated by `,`. A key neither parser knows is
-refused, as the CUDA build refuses it (the CPU build's parser skips unknown keys: no device hook). Values follow
-each parse function's checks and messages. Where torch would silently misread a number (std::stoull reads
-"128abc" as 128 and "-1" as 2**64 - 1) the value is refused here instead: a setting that does not mean what it
-says is bad input.
-
-Settings with no effect on device memory (the pinned host allocator's, release_lock_on_cudamalloc,
-graph capture options) are checked and otherwise ignored.
+The rules are torch 2.13's (c10/core/AllocatorConfig.cpp, c10/cuda/CUDAAllocatorConfig.cpp): entries
+`key:value` (a list value in brackets) separated by `,`, whitespace dropped. A key neither parser knows is
+refused, as the CUDA build refuses it; values follow each parse function's checks and messages. A number torch
+would silently misread ("128abc" as 128, "-1" as 2**64 - 1) is refused: a setting that does not mean what it
+says is bad input. Settings with no effect on device memory are checked and otherwise ignored.
 """
 
 from __future__ import annotations

@@ -1,27 +1,11 @@
 """The target GPU of a point (`device=`, conf/device/<profile>.yaml): what the card reports and what runs on it.
 
-A profile is data: the name and total memory torch reports on the card, its compute capability, whether it
-has bfloat16, which SDPA kernels run there, the cuBLAS workspace torch allocates on that architecture and the
-CUDA context where a figure is known (each file cites its sources). `build` turns a profile's config into a
-DeviceProfile, refusing a bad value in one line; `device=none` (the default) is no profile.
-
-What a profile does to a point:
-- capacity: the card's total_memory is the point's device capacity (estimate and cpu: the allocator model's;
-  cuda: imposed on a larger card as measure.device_memory is). measure.device_memory, when also set, wins: it
-  imposes a smaller capacity on that card (as +find=max_batch does with its budget); one larger than the card
-  is a contradiction and is refused.
-- dtypes: bfloat16 on a card without it (below sm80) is refused before any point runs.
-- SDPA: vlmprobe.estimate.cuda_rules.sdpa_choice runs flash and memory-efficient attention only where the card has them.
-- cuBLAS workspaces (estimate, cpu): allocated from the allocator model where CUDA allocates them, at the first
-  matrix multiply of each thread (vlmprobe.estimate.tracker.LiveBytesTracker.blas_workspaces), so they count in
-  every allocated and reserved figure as they do on CUDA. Without a profile the architecture, and so their size,
-  is unknown: none is charged.
-- reductions (estimate, cpu): the card's multiprocessors decide where CUDA's reduction kernel splits a reduction
-  across thread blocks and allocates a staging buffer for it (vlmprobe.estimate.cuda_rules.reduction_staging); none without a
-  profile.
-- predicted_device_bytes (estimate, cpu): the allocator model's peak reserved (workspaces included) + the CUDA
-  context, where the profile knows the context (empty otherwise).
-- cuda: the row's notes say so when the card the worker ran on is not the profile's.
+A profile is data (each file cites its sources): the name and total memory torch reports, compute capability,
+bfloat16, SDPA kernels, the cuBLAS workspace and the CUDA context where a figure is known. `build` turns a
+profile's config into a DeviceProfile, refusing a bad value in one line; `device=none` (the default) is no
+profile. The card's total memory is the point's capacity (a smaller measure.device_memory wins, a larger one is
+refused); bfloat16 below sm80 is refused; the profile decides SDPA's kernels, predicted_device_bytes, and the
+cuBLAS workspaces and reduction staging buffers charged on estimate and cpu (none without one; docs/gpu.md).
 Pure: no CUDA. vlmprobe.backends.cuda reads the real card and calls name_note.
 """
 

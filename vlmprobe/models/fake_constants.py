@@ -1,23 +1,12 @@
 """Inputs whose values a forward reads, made so that fake tensors can answer those reads.
 
-Several VLM forwards read values of their inputs (Qwen's image_grid_thw.tolist() and cu_seqlens split
-sizes, the image-token count check of get_placeholder_mask in Qwen, LLaVA, Gemma 3 and InternVL, Idefics3's
-search for all-zero padding images in pixel_values and its pixel mask). FakeTensorMode (the estimate backend
-runs batch() and loss() inside it) can answer those only for *constant* fake tensors (fakes that keep their
-real values), and it propagates constants only through ops whose outputs have at most CONSTANT_NUMEL_LIMIT
-(= 1) elements. A family's batch() therefore raises that limit to the largest such input (the batch's token
-count; Idefics3's pixel_values) for as long as the batch lives (`hold_constant_limit`) and makes those inputs
-with `constant_tensor` -- torch.tensor of Python data or a numpy array, which under the mode gives constant
-fakes and on real backends ordinary tensors -- so every tensor derived from them alone in the forward (and in
-checkpointed recomputation) stays constant and the model runs unchanged. Constants are only these inputs,
-what is derived from them (masks, counts, cu_seqlens, Idefics3's unpadded pixel_values) and Python scalars;
-every activation derives from parameters, non-constant fakes, so no activation is computed for real. A
-constant is still charged by the tracker at its size, as CUDA would allocate it.
-
-Private torch API used: `torch._subclasses.fake_tensor.CONSTANT_NUMEL_LIMIT` (module global read by
-FakeTensorMode.may_turn_const at each op; present with the same meaning in torch 2.11-2.13), raised only
-while a batch made here is alive and restored when the last one dies. Nothing else private, no
-transformers patching.
+FakeTensorMode answers reads of values only for constant fakes (fakes that keep their real values), and propagates
+constants only through ops whose outputs have at most CONSTANT_NUMEL_LIMIT (= 1) elements. A family's batch()
+therefore raises that limit to its largest such input for as long as the batch lives (`hold_constant_limit`) and
+makes those inputs with `constant_tensor` (constant fakes under the mode, ordinary tensors on real backends), so the
+model runs unchanged. No activation is computed for real; a constant is still charged at its size, as CUDA would
+allocate it. Private torch API: `torch._subclasses.fake_tensor.CONSTANT_NUMEL_LIMIT` (torch 2.11-2.13), raised only
+while a batch made here is alive; no transformers patching.
 """
 
 from __future__ import annotations

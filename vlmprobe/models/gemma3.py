@@ -1,24 +1,10 @@
 """Gemma 3 (4B and up): transformers' Gemma3ForConditionalGeneration with random weights -- a SigLIP vision
-tower without pooling head (`vision_tower`), a projector (`multi_modal_projector`: average pooling of the
-patch grid down to `mm_tokens_per_image`, an RMSNorm and one matrix) and the Gemma 3 LM (5 sliding-window
-layers to 1 global one, tied head).
-
-Images (Gemma3ImageProcessor as Gemma 3 configures it): every image is resized to the tower's image_size
-(896 x 896 px) whatever its size; pan-and-scan (extra crops of a long image) is off by default and never
-acts on a square image (it needs an aspect ratio of at least 1.2), so the model sees 896 px only:
-pixel_values (n_images, 3, 896, 896) float32. The tower's (896 / 14)^2 = 4096 patches are pooled 4 x 4 to
-256 image tokens. Gemma3Processor writes each image as "\\n\\n<start_of_image>", 256 <image_soft_token>,
-"<end_of_image>\\n\\n" (the "\\n\\n" is one token in Gemma's vocabulary: 260 tokens per image).
-
-The batch is what a training collator hands the model: input_ids, labels (-100 at the image's tokens),
-pixel_values and token_type_ids (1 at the image tokens, as the processor returns them): with them the LM's
-mask lets an image's tokens attend to each other both ways, a (B, 1, L, L) mask for the global layers and
-one for the sliding-window layers, which a training step builds on CUDA too. attention_mask is None (every
-sample fills the length). Under fake tensors the forward reads input_ids and token_type_ids: both are
-constant fakes (models/fake_constants.py).
-
-Towers: vision = `vision_tower`; lm = `language_model` + `lm_head` (tied to the embedding); the projector
-belongs to neither.
+tower, a pooling projector and the Gemma 3 LM (5 sliding-window layers to 1 global one, tied head). Images follow
+Gemma3ImageProcessor and Gemma3Processor: every image is resized to 896 x 896 px (pan-and-scan off) and pooled to
+256 image tokens, 260 tokens with its markers. The batch carries token_type_ids (1 at the image tokens), with which
+the LM's masks let an image's tokens attend to each other both ways, as on CUDA; input_ids and token_type_ids are
+constant fakes (models/fake_constants.py). Towers: vision = `vision_tower`; lm = `language_model` + `lm_head`
+(tied to the embedding); the projector belongs to neither.
 """
 
 from __future__ import annotations

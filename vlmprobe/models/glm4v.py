@@ -1,36 +1,11 @@
-"""GLM-4.1V (GLM-4.1V-9B-Thinking / -Base) and GLM-4.5V: transformers' Glm4vForConditionalGeneration and
-Glm4vMoeForConditionalGeneration with random weights. Their processor and their M-RoPE positions are Qwen2-VL's
-(qwen2_vl.py) with these differences, read from transformers 5.24 (models/glm4v):
-
-- Images (Glm4vImageProcessor): the same smart_resize with 14 px patches merged 2 x 2 (a side is a multiple of
-  28 px, a patch 3 x 2 x 14 x 14 = 1176 values), but the pixel bounds hold both frames of the temporal patch a
-  still image is repeated over (t_bar x H x W with t_bar = 2, so an image gets half the bounds' pixels), and a
-  side below 28 px is scaled up to 28 first instead of being refused (qwen2_vl.smart_resize's `frames` and
-  `scale_up_small_sides`).
-  Bounds: the processor class's own (size.shortest_edge 112 x 112, size.longest_edge 28 x 28 x 15000); a
-  config.json read with model=hf takes its preprocessor_config.json's where there is one.
-- Prompt: <|begin_of_image|>, one <|image|> per merged token, <|end_of_image|> (the chat template writes the
-  markers, the processor expands <|image|>); mm_token_type_ids 1 at the image tokens.
-- M-RoPE positions: Glm4vModel.get_rope_index gives a still image (p, p + row, p + col) and continues at
-  p + max(rows, cols) // merge, Qwen2-VL's rule (checked against it in the tests), so the collator's positions
-  and generate's (step=grpo: the same _prepare_position_ids_for_generation) are Qwen2-VL's.
-- Videos are refused: the processor writes each frame's timestamp after it as text ("<|end_of_image|>12"),
-  which only the model's tokenizer can count.
-
-Inside the model, run as the model runs it:
-- Vision tower: RMSNorm blocks with a gated SiLU MLP as wide as the LM (out_hidden_size), 2-D rope, and a learned
-  24 x 24 position table resampled to each image's patch grid with a bicubic grid_sample in fp32 (an fp32
-  patches x width tensor, then cast to the weights' dtype and added). After the blocks a 2 x 2 stride-2
-  convolution merges the patches into LM-width tokens, then a merger (linear, LayerNorm, GELU, gated SiLU MLP of
-  the vision intermediate_size). Both live inside `visual` and go with the vision tower.
-- LM (GLM-4): q/k/v with bias, partial rotary (half of each head), and four RMSNorms per layer (before and after
-  attention and the MLP); GLM-4.1V's MLP is one fused gate_up_proj.
-- GLM-4.5V's LM (`Glm4vMoeSpec`) is a mixture of experts (vlmprobe/models/moe.py) after its first
-  first_k_dense_replace dense layers: a sigmoid router in fp32 (its weight and the e_score_correction_bias
-  buffer are fp32 whatever the model's dtype, as from_pretrained keeps them; the hidden states are cast to fp32
-  for it, a tokens x width fp32 copy per layer that its weight's gradient keeps), top num_experts_per_tok of
-  n_routed_experts within the best topk_group of n_group groups, renormalised and scaled by
-  routed_scaling_factor; plus n_shared_experts shared experts, an ordinary MLP every token runs.
+"""GLM-4.1V and GLM-4.5V: transformers' Glm4vForConditionalGeneration and Glm4vMoeForConditionalGeneration with
+random weights. Their processor and their M-RoPE positions are Qwen2-VL's (qwen2_vl.py) with differences read from
+transformers 5.24 (models/glm4v): the pixel bounds hold both frames of the temporal patch (`frames`), a side below
+28 px is scaled up instead of refused (`scale_up_small_sides`), the bounds are Glm4vImageProcessor's own (or a
+model=hf folder's preprocessor_config.json), and an image is <|begin_of_image|>, one <|image|> per merged token,
+<|end_of_image|>. Videos are refused: each frame's timestamp is written as text, which only the model's tokenizer
+can count. The rest (a vision tower whose learned position table is resampled in fp32, the GLM-4 LM, GLM-4.5V's
+mixture of experts after first_k_dense_replace dense layers: vlmprobe/models/moe.py) runs as the model runs it.
 """
 
 from __future__ import annotations

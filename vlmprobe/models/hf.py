@@ -1,12 +1,10 @@
 """`model=hf model.config=PATH`: any model of a supported family from its transformers config.json.
 
-PATH is a config.json file, a folder holding one (a downloaded model), or a hub name (org/name) whose
-config.json is already in the local Hugging Face cache. Its `model_type` picks the family class, which
-builds the spec from the file's values (and from preprocessor_config.json beside it, where the family reads
-one, and video_preprocessor_config.json for a family with videos); the model is then built with random
-weights like any shipped config. Nothing is downloaded and no code from the model's repository runs (no
-trust_remote_code): a model_type without a family here is refused in one line naming it and the families
-there are.
+PATH is a config.json file, a folder holding one, or a hub name whose config.json is already in the local Hugging
+Face cache. Its `model_type` picks the family class, which builds the spec from the file's values (and the
+preprocessor configs beside it, where the family reads them); the model is then built with random weights. Nothing
+is downloaded and no code from the model's repository runs (no trust_remote_code): a model_type without a family
+here is refused in one line naming it and the families there are.
 """
 
 from __future__ import annotations

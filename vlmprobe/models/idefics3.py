@@ -1,30 +1,10 @@
-"""Idefics3 and SmolVLM (v1): transformers' Idefics3ForConditionalGeneration with random weights -- a
-SigLIP-style vision tower of variable resolution (`vision_model`), a pixel-shuffle connector (`connector`:
-scale_factor^2 neighbouring patch features concatenated, then one Linear without bias) and a Llama LM.
-
-Images (Idefics3ImageProcessor, re-implemented here as pure arithmetic, `tile_grid`): every image is resized
-so that its longest edge is the processor's `size.longest_edge` (up or down, capped at 4096 px), then -- with
-image splitting, the default -- resized up to whole tiles of the tower's `image_size` and cut into rows x
-cols tiles, plus the whole image resized to one tile (the "global" image); an image no larger than a tile is
-one tile and no global image. Each tile is (image_size / patch_size)^2 / scale_factor^2 LM tokens
-(SmolVLM-256M: 512 px tiles, patch 16, scale 4: 64 tokens). A square image therefore sees the model at
-`size.longest_edge`, whatever its own size: `data.image_size` here is that side (the processor's longest
-edge, which SmolVLM's docs tell users to change for another resolution); null = the shipped processor's.
-
-The batch is what the processor and a collator hand the model: input_ids with the image tokens where
-Idefics3Processor writes them (per tile <fake_token_around_image><row_r_col_c> and the tile's image tokens,
-a newline after each row, then "\\n<fake_token_around_image><global-img>", the global image's tokens and
-<fake_token_around_image>; the markers are text tokens here), labels (-100 at image tokens and markers),
-pixel_values (B, tiles, 3, tile, tile) float32 and pixel_attention_mask (B, tiles, tile, tile) int64, as the
-processor pads them. The loss is the model's own. attention_mask is None (every sample fills the length).
-
-Fake tensors: the forward drops all-zero padding images by reading pixel_values
-(`pixel_values[(pixel_values == 0).sum(...) != n]`) and reads the patch mask derived from
-pixel_attention_mask; both inputs are constant fakes (models/fake_constants.py), so these reads are answered
-as on a real run (the batch has no padding images: every sample has the same tiles).
-
-Towers: vision = `vision_model`; lm = `text_model` + `lm_head`; the connector (the projector) belongs to
-neither. SmolVLM2 (`model_type` smolvlm) is the same code under other class names (SmolVLMSpec).
+"""Idefics3 and SmolVLM (v1): transformers' Idefics3ForConditionalGeneration with random weights -- a SigLIP-style
+vision tower of variable resolution, a pixel-shuffle connector and a Llama LM; SmolVLM2 is the same code under
+other class names (SmolVLMSpec). Images follow Idefics3ImageProcessor as pure arithmetic (`tile_grid`): resized to
+the processor's `size.longest_edge` (`data.image_size`; null = the shipped processor's), cut into tiles of the
+tower's `image_size`, plus a global image. The forward reads pixel_values (to drop all-zero padding images) and the
+patch mask from pixel_attention_mask: both are constant fakes (models/fake_constants.py). Towers: vision =
+`vision_model`; lm = `text_model` + `lm_head`; the connector (the projector) belongs to neither.
 """
 
 from __future__ import annotations

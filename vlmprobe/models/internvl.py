@@ -1,19 +1,9 @@
 """InternVL (3 and 2.5, the -hf checkpoints): transformers' InternVLForConditionalGeneration with random weights
--- an InternViT tower (`vision_tower`), a projector (`multi_modal_projector`: 2 x 2 pixel shuffle, LayerNorm,
-Linear, GELU, Linear) and a Qwen2 / Qwen2.5 LM.
-
-Images (GotOcr2ImageProcessor with InternVL's crop_to_patches, through transformers' own pure
-get_optimal_tiled_canvas, no processor run): an image is resized onto the grid of 448 px tiles, between
-min_patches (1) and max_patches (12), whose aspect ratio is closest to the image's (among equal ratios a
-grid wins when the image's area is more than half of the grid's: a square image is 1 tile up to 633 px, 2 x 2
-up to 950 px, 3 x 3 above), and a grid of more than one tile gets a thumbnail of the whole image:
-pixel_values (tiles, 3, 448, 448) float32. Each tile's (448 / 14)^2 = 1024 patches are pixel-shuffled to 256
-image tokens; InternVLProcessor writes an image as <img>, 256 <IMG_CONTEXT> per tile, </img>.
-`data.image_size` is the input image's side: it decides the tile grid; null = 448 (one tile).
-
-The loss is the model's own; under fake tensors the forward's image-token count check reads input_ids,
-constant fakes as for LLaVA. Towers: vision = `vision_tower`; lm = `language_model` + `lm_head`; the
-projector belongs to neither.
+-- an InternViT tower, a pixel-shuffle projector and a Qwen2 / Qwen2.5 LM. Images follow GotOcr2ImageProcessor with
+InternVL's crop_to_patches, through transformers' own pure get_optimal_tiled_canvas: 1 to 12 tiles of 448 px on the
+grid closest to the image's aspect ratio, plus a thumbnail where there is more than one; 256 image tokens per tile.
+`data.image_size` is the input image's side (null = 448, one tile). input_ids are constant fakes for the image-token
+count check. Towers: vision = `vision_tower`; lm = `language_model` + `lm_head`; the projector belongs to neither.
 """
 
 from __future__ import annotations

@@ -1,24 +1,10 @@
 """LLaVA (1.5 and the llava-hf family): transformers' LlavaForConditionalGeneration with random weights -- a
-vision tower (CLIP or SigLIP, built by AutoModel from its config), a 2-layer MLP projector
-(`multi_modal_projector`: Linear, GELU, Linear) and a causal LM (built by AutoModel: Llama/Vicuna for 1.5).
-
-Images (CLIPImageProcessor as LLaVA-1.5 configures it): every image is resized (shortest edge) and
-center-cropped to the tower's `image_size` (336 px), so the model sees that size only: pixel_values are
-(n_images, 3, 336, 336) float32. The tower turns an image into (336 / 14)^2 = 576 patch tokens plus CLIP's
-class token; LLaVA takes the hidden states of `vision_feature_layer` (-2: the second-to-last layer) and,
-with `vision_feature_select_strategy` "default", drops the class token: 576 image tokens per image, which
-is how many <image> tokens (image_token_id 32000) LlavaProcessor puts in the text for each image.
-
-Each sample is `lm_max_length` tokens, no padding: <s>, then the image tokens of each image, then text;
-labels are -100 at <s> and at the image tokens. attention_mask is None (every sample fills the length), as
-for Qwen2-VL. The loss is the model's own (`labels=` -> outputs.loss). Under fake tensors the forward's
-image-token count check reads input_ids: they are constant fakes (vlmprobe/models/fake_constants.py).
-
-Towers: vision = the vision tower; lm = the language model and lm_head; the projector belongs to neither
-(it stays trainable when either tower is frozen, as LLaVA's own recipes train it).
-
-LLaVA-NeXT (llava_next.py) is this family with anyres tiling: it subclasses LlavaSpec, overriding
-config_class, model_class, family_config, image_tokens and image_inputs.
+CLIP or SigLIP vision tower, a 2-layer MLP projector and a causal LM. Images follow CLIPImageProcessor as LLaVA-1.5
+configures it: resized and center-cropped to the tower's `image_size` (336 px), 576 image tokens each (the class
+token dropped). A sample is `lm_max_length` tokens, no padding: <s>, the image tokens, then text; labels are -100
+at <s> and the image tokens; attention_mask is None; the loss is the model's own. input_ids are constant fakes
+for the image-token count check (vlmprobe/models/fake_constants.py). Towers: vision = the vision tower; lm = the
+language model and lm_head; the projector belongs to neither. LLaVA-NeXT (llava_next.py) subclasses LlavaSpec.
 """
 
 from __future__ import annotations

@@ -1,23 +1,11 @@
-"""LLaVA-NeXT (LLaVA-1.6): transformers' LlavaNextForConditionalGeneration with random weights -- LLaVA's
-tower, projector and LM (llava.py) plus anyres tiling and a learned `image_newline` vector (a parameter of
-the model, trained with the projector: it belongs to neither tower).
-
-Images (LlavaNextProcessor and LlavaNextImageProcessor, transformers 5.23, re-implemented here as pure
-arithmetic): of the `image_grid_pinpoints` (height, width) canvases the processor picks the one that keeps the
-most of the image and wastes the least (`select_best_resolution`), resizes the image into it (aspect ratio
-kept, padded) and cuts it into tiles of the tower's size (336 px); a base tile, the whole image resized to
-336 px, comes first. pixel_values are (n_images, 1 + tiles, 3, 336, 336) float32 and `image_sizes` the
-original (height, width) of each image. The model encodes every tile, lays the tiles' patch features out as
-one grid, removes the rows (or columns) that are padding (`unpad_image`), and appends image_newline after
-each row: an image is base-tile tokens + unpadded rows x (columns + 1) tokens, and that many <image> tokens
-stand in the text (LlavaProcessor's _get_number_of_features: `anyres_tokens` below, checked against the real
-processor in the tests). A 336 px square image on llava-v1.6's canvases is 1 + 2 tiles and 1176 tokens
-(576 + 24 x 25), a 672 px one 1 + 4 tiles and 2928 (576 + 48 x 49).
-
-Every image size is accepted, as the processor accepts it (it resizes any image into a canvas, 1 x 1 px
-included); the images are square (`data.image_size` a side). image_sizes is a constant input (the forward
-reads it to count tiles and unpad: vlmprobe/models/fake_constants.py). LLaVA-OneVision (llava_onevision.py)
-subclasses this spec: its `max_tiles` cap and one tile per image where a sample has several.
+"""LLaVA-NeXT (LLaVA-1.6): transformers' LlavaNextForConditionalGeneration with random weights -- LLaVA's tower,
+projector and LM (llava.py) plus anyres tiling and a learned `image_newline` vector (trained with the projector: it
+belongs to neither tower). Images follow LlavaNextProcessor and LlavaNextImageProcessor (transformers 5.23) as pure
+arithmetic: the best of the `image_grid_pinpoints` canvases (`select_best_resolution`), tiles of 336 px after a
+base tile, the padding rows removed and one newline after each row (`anyres_tokens`, LlavaProcessor's
+_get_number_of_features). Every image size is accepted, as the processor accepts it; the images are square
+(`data.image_size` a side); image_sizes is a constant input (vlmprobe/models/fake_constants.py).
+LLaVA-OneVision (llava_onevision.py) subclasses this spec.
 """
 
 from __future__ import annotations

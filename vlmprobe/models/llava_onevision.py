@@ -1,20 +1,10 @@
 """LLaVA-OneVision: transformers' LlavaOnevisionForConditionalGeneration with random weights -- LLaVA-NeXT
-(llava_next.py: anyres tiling, unpadding, a learned `image_newline`) on a SigLIP tower at 384 px (27 x 27 = 729
-patch features per tile, no class token: vision_feature_select_strategy "full") and a Qwen2 LM, with two
-differences that decide its memory, both re-implemented here as arithmetic from LlavaOnevisionProcessor and the
-model's pack_image_features (transformers 5.24):
-
-- "anyres_max_N" (`vision_aspect_ratio`): the 36 canvases of llava-onevision reach 2304 x 2304 px (6 x 6 tiles),
-  but where an image's unpadded feature grid holds more than 1.1^2 x N tiles' features the model shrinks it
-  (bilinear interpolation) by the square root of that ratio, so an image is at most about (N + 1) x 729 tokens
-  plus newlines: a 384 px image is 729 + 27 x 28 = 1485 tokens, a 768 px one 729 + 54 x 55 = 3699, a 2304 px one
-  729 + 81 x 82 = 7371 (9 tiles' worth, though the tower encodes all 1 + 36 tiles first).
-- Several images in one sample (`data.images_per_sample` > 1) are not tiled: the processor pads each to a square
-  and resizes it to the tower's size, one tile each (pixel_values (n_images, 1, 3, 384, 384)), and each takes
-  729 + 1 tokens (the tile and one newline). `batch_num_images` (images per sample, a constant input the forward
-  reads: vlmprobe/models/fake_constants.py) tells the model which case it is in, as the processor's output does.
-
-Videos (pooled frames) are not modelled: a point is images and text.
+(llava_next.py) on a SigLIP tower at 384 px (729 patch features per tile, no class token) and a Qwen2 LM, with two
+differences re-implemented as arithmetic from LlavaOnevisionProcessor and the model's pack_image_features
+(transformers 5.24): "anyres_max_N" shrinks an image's feature grid to about (N + 1) x 729 tokens plus newlines,
+and a sample of several images (`data.images_per_sample` > 1) takes one untiled tile per image (`batch_num_images`,
+a constant input: vlmprobe/models/fake_constants.py). Videos (pooled frames) are not modelled: a point is images
+and text.
 """
 
 from __future__ import annotations

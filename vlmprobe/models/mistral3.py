@@ -1,34 +1,12 @@
-"""Mistral 3 (Mistral-Small-3.1 / 3.2, 24B): transformers' Mistral3ForConditionalGeneration with random weights -- a
-Pixtral vision tower (`vision_tower`: a patch convolution, RMSNorm, 24 pre-norm blocks with 2-D rotary
-positions and a gated SiLU MLP), a projector (`multi_modal_projector`: RMSNorm, a learned 2 x 2 patch merger,
-Linear, GELU, Linear) and a Mistral LM.
-
-Images (PixtralImageProcessor and PixtralProcessor, transformers 5.24, re-implemented here as arithmetic and
-checked against the real image processor in the tests): an image whose longer side exceeds `longest_edge`
-(1540 px) is scaled down to it, aspect ratio kept (`get_resize_output_image_size`); each side is then rounded up
-to a whole number of 28 px (patch 14 x merge 2). The tower sees every patch of that size: a 1540 px square image
-is 110 x 110 = 12,100 patches, merged 2 x 2 into 55 x 55 LM tokens; the processor writes each row of [IMG]
-tokens followed by [IMG_BREAK], the last row's break being [IMG_END]: rows x (columns + 1) = 3,080 tokens.
-pixel_values are (n_images, 3, H, W) float32 padded to the batch's largest image (here all are one size) and
-`image_sizes` the (H, W) of each; the forward reads image_sizes to crop and merge each image's patches, so it is
-a constant input (models/fake_constants.py). The images are square (`data.image_size` a side).
-
-What the tower does with the patches of all images of a micro batch: one sequence, attention restricted to each
-image by a (1, 1, N, N) additive mask in the tower's dtype over all N patches (`generate_block_attention_mask`)
-under sdpa and eager; with flash_attention_2 by each image's length instead (cu_seqlens), no mask. On CUDA that
-mask is the memory-efficient kernel's bias, copied padded once per block where N is not a multiple of 8, except on
-a card that tries cuDNN first (vlmprobe.estimate.cuda_rules.sdpa_choice): at 1540 px, 12,100 patches, each of the 24 blocks of a
-trained tower keeps a 279 MiB bf16 copy until backward.
-
-Each sample is `lm_max_length` tokens, no padding: <s>, the images' tokens as the processor writes them, then
-text; labels are -100 at <s> and every image token. The loss is the model's own (`labels=`).
-
-Towers: vision = the Pixtral tower; lm = the language model and lm_head; the projector belongs to neither.
-
-Tied head: transformers 5.x reads `tie_word_embeddings` from the top level of a Mistral3 config.json, defaulting to
-true (transformers#43429, for Ministral 3), while Mistral-Small-3.1's published config.json sets it only in
-text_config (false): `model=hf` on that file builds a tied head, as from_pretrained in transformers 5.24 does
-(transformers#42313 and vllm#51063 report it); the shipped YAML sets it false, as the checkpoint's weights are.
+"""Mistral 3 (Mistral-Small-3.1 / 3.2, 24B): transformers' Mistral3ForConditionalGeneration with random weights --
+a Pixtral vision tower, a projector with a learned 2 x 2 patch merger and a Mistral LM. Images follow
+PixtralImageProcessor and PixtralProcessor (transformers 5.24) as arithmetic: scaled down to `longest_edge`
+(1540 px) if larger, each side rounded up to 28 px, each row of [IMG] tokens closed by [IMG_BREAK] ([IMG_END] last). The
+images are square (`data.image_size` a side); image_sizes is a constant input (models/fake_constants.py). The
+tower runs all images of a micro batch as one sequence, with a (1, 1, N, N) block mask under sdpa and eager
+(cu_seqlens under flash_attention_2). Towers: vision = the Pixtral tower; lm = the language model and lm_head;
+the projector belongs to neither. Tied head: `model=hf` follows transformers 5.24, which reads
+`tie_word_embeddings` from the config's top level (default true); the shipped YAML sets it false.
 """
 
 from __future__ import annotations

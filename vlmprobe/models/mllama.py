@@ -1,26 +1,10 @@
-"""Llama 3.2 Vision (Mllama): transformers' MllamaForConditionalGeneration with random weights -- a tiled ViT
-(`vision_model`: a local encoder, then global layers with gated attention, tile and aspect-ratio embeddings;
-its output is the last hidden state concatenated with 5 intermediate layers' states), a projector
-(`multi_modal_projector`: one Linear to the LM width) and a Llama 3.1 LM in which every fifth layer is a gated
-cross-attention layer that attends over the image features instead of the text.
-
-Images (MllamaImageProcessor, through transformers' own pure helpers, no processor run): an image is
-resized onto the best canvas of whole 560 px tiles among the aspect ratios of at most `max_num_tiles` (4)
-tiles (`get_optimal_tiled_canvas`: a square image of at most 560 px is one tile, a larger one 2 x 2), and
-every image is padded to `max_num_tiles` tiles: pixel_values (B, images, 4, 3, 560, 560) float32 whatever
-the image size; aspect_ratio_ids (B, images) name the canvas, aspect_ratio_mask (B, images, 4) its real
-tiles. Each tile is (560 / 14)^2 + 1 = 1601 patches (padded to 1608 inside the tower): the cross-attention
-layers attend over images x 4 x 1601 vision tokens, padding tiles included; the text holds one <|image|> token per image, and cross_attention_mask
-(B, L, images, 4) int64 lets each token from its image's <|image|> on attend to that image's real tiles
-(MllamaProcessor's get_cross_attention_token_mask / convert_sparse_cross_attention_mask_to_dense).
-`data.image_size` is the input image's side: it decides the canvas (1 or 4 real tiles), not the tensors'
-shapes.
-
-The loss is the model's own; attention_mask is None (every sample fills the length). Under fake tensors
-the image-token check reads nothing (Mllama has no placeholder scatter) and the masks are computed without
-reading values, so only input_ids are constant fakes (as for the other families).
-
-Towers: vision = `vision_model`; lm = `language_model` + `lm_head`; the projector belongs to neither.
+"""Llama 3.2 Vision (Mllama): transformers' MllamaForConditionalGeneration with random weights -- a tiled ViT, a
+one-Linear projector and a Llama 3.1 LM in which every fifth layer is a gated cross-attention layer over the image
+features. Images follow MllamaImageProcessor through transformers' own get_optimal_tiled_canvas: 560 px tiles, at
+most `max_num_tiles` (4), every image padded to 4 tiles, so `data.image_size` (the input image's side) decides the
+real tiles, not the tensors' shapes. The text holds one <|image|> per image; cross_attention_mask lets each token
+attend to its image's real tiles. Only input_ids are constant fakes. Towers: vision = `vision_model`; lm =
+`language_model` + `lm_head`; the projector belongs to neither.
 """
 
 from __future__ import annotations

@@ -1,32 +1,11 @@
 """nanoVLM: a SigLIP-style ViT, a pixel-shuffle projector and a Llama-style LM, computed as nanoVLM's own
-code computes them (huggingface/nanoVLM at the commit of issue #103, 731d8c6 / 91a3b93), so that what the
-step allocates, keeps for backward and frees, in what order, is nanoVLM's, not that of another implementation
-of the same weights.
-
-What matters for memory, and is reproduced here (behaviour, written independently):
-- ViT: Conv2d patch embedding plus a learned position embedding (no CLS token); one fused qkv Linear with
-  bias per block, split into q, k, v views; SDPA without mask; tanh-GELU MLP; pre-norm LayerNorms; final
-  LayerNorm.
-- Projector: pixel shuffle (view, 6-d reshape, permute + contiguous copy, reshape), Linear without bias.
-- LM: RMSNorm without dtype casts (fp32 residual stream); RoPE recomputed every call for the batch's
-  position ids (B, L, head_dim) in fp32; K and V expanded to all heads with repeat_interleave before SDPA;
-  an additive (B, 1, 1, L) padding mask made in each block and passed with is_causal=True (CUDA runs the
-  memory-efficient kernel), in the residual stream's dtype (fp32 in fp32 + autocast training, as nanoVLM's);
-  SiLU-gated MLP; final RMSNorm; head tied to the token embedding. Each block's key and value are kept
-  until the forward returns (nanoVLM's KV-cache list).
-- The image features are written by index over each sample's image placeholders in a copy of the token
-  embeddings; the head runs over every position and the loss, computed in the forward, is cross-entropy with
-  ignore_index -100 over all of them.
-- When a tensor dies: nanoVLM's call structure and names (its attention and MLP are sub-calls, what it binds
-  to a local lives until that call returns), and the order its modules are made in (the order of
-  parameters(), which the optimizer's foreach kernels follow).
-Not reproduced: dropout layers (p = 0 there); with pure bf16 weights (no autocast) cos and sin are cast to the
-weights' dtype, where nanoVLM's code leaves them fp32 and its SDPA call fails (q, k fp32 against a bf16 v). The
-LM's linear layers carry nanoVLM's names (q/k/v/out_proj, gate/up/down_proj: LoRA's target_modules match them);
-the modules holding them do not. Parameter counts are
-nanoVLM's (nanoVLM-222M: 222,083,328 with 3 added tokens). scripts/check_nanovlm_code.py runs nanoVLM's own
-code beside this through the same step: 0 B apart in every figure of the seq_len sweep (estimate).
-With model.source (a nanoVLM checkout), nanoVLM's own modules run instead (vlmprobe.models.nanovlm_source).
+code computes them (huggingface/nanoVLM at the commit of issue #103), so that what the step allocates, keeps for
+backward and frees, in what order, is nanoVLM's, not that of another implementation of the same weights. The
+behaviour is written independently: its dtypes, the RoPE and padding mask made per call, K and V expanded before
+SDPA, each block's key and value kept until the forward returns, its call structure and module order. Not
+reproduced: dropout (p = 0 there); with pure bf16 weights cos and sin are cast to the weights' dtype, where
+nanoVLM's SDPA call fails. The LM's linear layers carry nanoVLM's names (LoRA's target_modules match them). With
+model.source (a nanoVLM checkout), nanoVLM's own modules run instead (vlmprobe.models.nanovlm_source).
 """
 
 from __future__ import annotations

@@ -1,21 +1,10 @@
 """nanoVLM's own model code, from a checkout of huggingface/nanoVLM (model.source=DIR on a nanovlm_* model).
 
-vlmprobe's nanoVLM (vlmprobe.models.nanovlm) is written independently to compute what nanoVLM's code computes;
-with a source, the point runs that code itself: the checkout's `models` package builds the model from the
-config's dimensions and its forward computes the loss. A user who changed nanoVLM's modules measures their
-own code; beside vlmprobe's implementation it tells what the two keep for backward apart
-(scripts/check_nanovlm_code.py).
-
-The API taken is that of the commit of nanoVLM issue #103 (731d8c6; its models/ are unchanged through
-91a3b93, the measure_vram.py update): `models.config.VLMConfig` (a dataclass), and
-`models.vision_language_model.VisionLanguageModel(cfg, load_backbone)` whose `forward(input_ids, image,
-attention_mask, targets)` returns (logits, loss), one image a sample, written over that image's placeholder
-tokens. A checkout with another API is refused with one line naming what is missing.
-
-What nanoVLM's code reads beyond the model, and is given here instead: its tokenizer (`data.processors.
-get_tokenizer`, which downloads from the hub and imports torchvision) is only asked for the image token's id,
-so the import gets a stand-in whose tokenizer has that id and nothing else; backbone weights are not loaded
-(load_backbone=False: weights do not change memory).
+The checkout's `models` package builds the model from the config's dimensions and its forward computes the loss, so
+a user who changed nanoVLM's modules measures their own code. The API taken is that of the commit of nanoVLM issue
+#103 (`models.config.VLMConfig`, `models.vision_language_model.VisionLanguageModel`); a checkout with another API is
+refused with one line naming what is missing. nanoVLM's tokenizer is replaced by a stand-in that has only the image
+token's id, and backbone weights are not loaded (weights do not change memory).
 """
 
 from __future__ import annotations

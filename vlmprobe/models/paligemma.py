@@ -1,23 +1,10 @@
 """PaliGemma 2: transformers' PaliGemmaForConditionalGeneration with random weights -- a SigLIP-So400m vision
-tower without pooling head (`vision_tower`), a one-matrix projector (`multi_modal_projector`) and a Gemma 2 LM
-(sliding-window and global layers alternating, tied head; its final logits soft-capped: logits / c, tanh, x c).
-
-Images (PaliGemmaProcessor, whose SiglipImageProcessor resizes to the checkpoint's size, 224, 448 or 896 px,
-whatever the input): pixel_values (n_images, 3, size, size) float32, (size / 14)^2 image tokens each (224 px:
-256). The processor writes `<image>` x tokens per image, then <bos>, the prompt and "\\n" (the prefix), then
-the suffix the model learns; token_type_ids are 0 over the prefix and 1 over the suffix, and labels are -100
-over the prefix. With token_type_ids the LM's mask lets the prefix attend both ways (a (B, 1, L, L) mask for
-the global layers and one for the sliding ones, built on CUDA too). The synthetic prompt is empty: the prefix is
-the images, <bos> and the newline, and the suffix fills the length (the split moves no byte: the head and the
-loss run over every position). Under fake tensors the forward reads input_ids and token_type_ids: both are
-constant fakes (models/fake_constants.py).
-
-Attention: transformers 5.x gives Gemma 2 no SDPA path (it would drop the attention logits' soft-capping) and
-PaliGemma no flash path (it would drop the prefix's two-way mask), so the model runs eager attention, which
-keeps each layer's (B, H, L, L) attention weights for backward; any other choice is refused in one line.
-
-Towers: vision = `vision_tower`; lm = `language_model` + `lm_head` (tied to the embedding); the projector
-belongs to neither.
+tower, a one-matrix projector and a Gemma 2 LM (soft-capped logits, tied head). Images follow PaliGemmaProcessor:
+resized to the checkpoint's size (224, 448 or 896 px), (size / 14)^2 image tokens each; the images, <bos> and
+"\\n" are the prefix (token_type_ids 0, labels -100, attended both ways) and the suffix fills the length.
+input_ids and token_type_ids are constant fakes (models/fake_constants.py). Attention is eager only: transformers
+5.x gives Gemma 2 no SDPA path and PaliGemma no flash path, so each layer keeps its (B, H, L, L) attention weights
+for backward. Towers: vision = `vision_tower`; lm = `language_model` + `lm_head`; the projector belongs to neither.
 """
 
 from __future__ import annotations

@@ -1,21 +1,10 @@
-"""Qwen2.5-VL: transformers' Qwen2_5_VLForConditionalGeneration with random weights. The processor, the
-image arithmetic, the batch and the loss are Qwen2-VL's (qwen2_vl.py); what differs is the vision tower:
-
-- RMSNorm and a gated SiLU MLP with bias (intermediate_size 3420 for 3B / 7B, 3456 for 72B) in each block,
-  an RMSNorm before the 2 x 2 patch merger, and the merger's own output width (`out_hidden_size`).
-- Window attention: the merged-token grid is cut into windows of window_size / merge / patch = 112 / 2 / 14
-  = 4 x 4 merged tokens (8 x 8 patches, 112 x 112 px); blocks listed in `fullatt_block_indexes` attend
-  over the whole image, the others only inside their window. The patch sequence is permuted into window
-  order before the blocks and back after the merger.
-
-Window indices: the tower computes them from image_grid_thw with fresh aranges and boolean masks, which
-fake tensors cannot answer (a data-dependent output shape). transformers accepts them precomputed
-(`image_window_index`, `image_cu_window_seqlens`: vision_utils.get_vision_window_index pops them from the
-forward's kwargs, 5.17-5.23), so the collator here computes them in pure Python (`window_index`, checked
-against transformers' function in the tests) and passes them, as constant integer inputs, on every backend.
-The real tower makes the same two small integer tensors itself (a few KiB); here they live with the batch.
-Videos get theirs too (`video_window_index`, `video_cu_window_seqlens`), and their M-RoPE time step is
-vision_config.tokens_per_second x the seconds a temporal patch spans (`video_time_interval`).
+"""Qwen2.5-VL: transformers' Qwen2_5_VLForConditionalGeneration with random weights. The processor, the image
+arithmetic, the batch and the loss are Qwen2-VL's (qwen2_vl.py); what differs is the vision tower: RMSNorm blocks
+with a gated SiLU MLP, and window attention over 4 x 4 merged tokens (112 x 112 px) except in the
+`fullatt_block_indexes` blocks. The tower's own window indices have a data-dependent shape that fake tensors cannot
+answer, so the collator computes them in pure Python (`window_index`) and passes them as constant inputs
+(`image_window_index`, `image_cu_window_seqlens` and the video ones), which transformers 5.17-5.23 accepts
+(vision_utils.get_vision_window_index).
 """
 
 from __future__ import annotations

@@ -1,51 +1,14 @@
 """Qwen2-VL: transformers' Qwen2VLForConditionalGeneration with random weights, fed as its processor feeds it.
 
-Images (Qwen2VLImageProcessor, re-implemented here as pure arithmetic): each square image of
-`data.image_size` px is resized by `smart_resize` (H and W rounded to multiples of patch x merge = 28 px,
-H*W brought into [min_pixels, max_pixels]), cut into (H/14)(W/14) patches of 3 x 2 x 14 x 14 = 1176 values
-(the still image is repeated over the temporal patch of 2), and merged 2 x 2 into (H/28)(W/28) LM tokens.
-Each sample is `lm_max_length` tokens, no padding: per image <|vision_start|>, one <|image_pad|> per image
-token, <|vision_end|>, then text. The batch is what a training collator hands the model: input_ids,
-labels (-100 at the vision positions), pixel_values (N_patches x 1176, float32), image_grid_thw
-(n_images x 3), mm_token_type_ids (1 at image tokens) and the 3-D M-RoPE position_ids (computed by the
-collator, as LLaMA-Factory does, with the model's get_rope_index rule; a test checks them against it).
-attention_mask is None: every sample fills lm_max_length, and a mask would make transformers build a
-(B, 1, L, L) tensor for fake tensors that a CUDA run without padding never allocates. The loss is the
-model's own (`labels=` -> outputs.loss: logits upcast to fp32, shifted cross-entropy, mean over labels).
-
-Videos (`data.videos_per_sample` > 0; Qwen2VLVideoProcessor, transformers 5.24 as read, the processor of both
-Qwen2-VL and Qwen2.5-VL): each video's `data.video_frames` square frames of `data.video_size` px are resized by the
-same smart_resize within the video bounds (128 x 28 x 28 to 768 x 28 x 28 px per frame, the class defaults and
-qwen-vl-utils' VIDEO_MIN/MAX_PIXELS; with `data.video_total_pixels` the cap is lowered as the processor's
-cap_pixels_per_frame and qwen-vl-utils lower it: max(min(cap, total x 2 / frames), 1.05 x floor)); the frames
-are padded to a multiple of temporal_patch_size (2) by repeating the last one, and every 2 frames make one
-temporal patch: (frames / 2) x (H/14)(W/14) patches of 1176 values, (frames / 2) x (H/28)(W/28) LM tokens,
-written as <|vision_start|>, one <|video_pad|> per token, <|vision_end|> after the sample's images. The batch
-adds pixel_values_videos, video_grid_thw (t, rows, cols) and mm_token_type_ids 2 at video tokens; the tower
-runs them in a call of their own (get_video_features), attention split per temporal patch (cu_seqlens repeats
-each frame's patch count t times). M-RoPE: a video's token at temporal patch i, row r, column c sits at
-(p + int(i x interval), p + r, p + c) and the text after it continues at p + max(rows, cols): interval 1 in
-Qwen2-VL, tokens_per_second x 2 / fps in Qwen2.5-VL (fps 2, the processor's default; positions change no
-memory). Qwen3-VL writes each frame's timestamp as text ("<1.5 seconds>"), tokens only its tokenizer can
-count: its videos are refused.
-
-Vision attention: with attn_implementation "sdpa" (the default here, and what CUDA runs without the
-flash-attn package) transformers splits the packed patch sequence at `cu_seqlens` into one SDPA call per
-image (no block mask is built; O(patches) state, flash / memory-efficient kernels on CUDA) and
-concatenates the outputs, a copy that the output projection saves next to SDPA's own saved output.
-"flash_attention_2" runs one varlen kernel over the packed sequence (no split, no concatenation) but is
-given contiguous copies of q/k/v; it is not modelled here (no flash-attn kernel on the CPU).
-
-Fake tensors (the estimate backend runs batch() and loss() inside FakeTensorMode): the forward reads
-values of small integer tensors (image_grid_thw.tolist(), cu_seqlens split sizes, the image-token count
-check in get_placeholder_mask); batch() makes those inputs constant fakes (vlmprobe/models/fake_constants.py)
-so the model runs unchanged. The M-RoPE position_ids are computed by the collator (`mrope_position_ids`):
-the model's get_rope_index builds them from fresh aranges, which fake mode cannot make constant.
-
-Qwen2.5-VL (qwen2_5_vl.py) is this family with another vision tower: the same processor, the same batch
-plus its window-attention index. It subclasses Qwen2VLSpec, overriding config_class, model_class and
-vision_inputs. Qwen3-VL (qwen3_vl.py) is this family too (16 px patches, DeepStack inside the model),
-overriding config_class, model_class and published_pixels.
+Images (Qwen2VLImageProcessor) and videos (Qwen2VLVideoProcessor, transformers 5.24) are re-implemented as pure
+arithmetic: `smart_resize` (sides multiples of 28 px, pixels within the bounds; the video cap lowered as
+qwen-vl-utils lowers it), 3 x 2 x 14 x 14 patches merged 2 x 2 into LM tokens. The batch is what a training collator
+hands the model, M-RoPE position_ids included (`mrope_position_ids`: the model's get_rope_index rule, whose fresh
+aranges fake mode cannot make constant). attention_mask is None: every sample fills lm_max_length, and a mask would
+make a (B, 1, L, L) tensor that a CUDA run without padding never allocates. The small integer inputs the forward
+reads are constant fakes (vlmprobe/models/fake_constants.py). Vision attention is "sdpa", split per image at
+cu_seqlens; "flash_attention_2" is not modelled. Qwen2.5-VL (qwen2_5_vl.py) and Qwen3-VL (qwen3_vl.py) subclass
+Qwen2VLSpec.
 """
 
 from __future__ import annotations

@@ -1,23 +1,11 @@
 """train.quantization: QLoRA's frozen base in bitsandbytes 4-bit (nf4) or 8-bit (int8), LoRA adapters on top.
 
-What a user of `from_pretrained(..., quantization_config=BitsAndBytesConfig(load_in_4bit=True,
-bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True, bnb_4bit_compute_dtype=torch.bfloat16))` gets,
-read from transformers 5.23 (quantizers/quantizer_bnb_4bit.py, quantizers/base.py get_keys_to_not_convert,
-integrations/bitsandbytes.py replace_with_bnb_linear): every module whose type is exactly nn.Linear becomes
-a bitsandbytes Linear4bit (Linear8bitLt for load_in_8bit, threshold 6.0, no fp16 weights), frozen, except
-the modules `get_keys_to_not_convert` names: the output embeddings (lm_head), tied weights and the module of
-the model's last parameter; plus `llm_int8_skip_modules` (None by default) and the model's
-`_keep_in_fp32_modules` (none of the supported families has any). So the vision tower's and the projector's
-linear layers are quantized too; convolutions, embeddings and norms are not.
-
-Knobs that change memory: the type (nf4 and fp4 take the same bytes, so only nf4 is offered; int8),
-double quantization (`quantization_double_quant`: the per-block absmax in uint8 with a nested fp32 absmax
-per 256 blocks instead of fp32 per block), the compute dtype (`quantization_compute_dtype`: the dtype the
-input is cast to and the weight dequantized into in forward) and the block size (64: transformers gives
-Linear4bit no other). peft's prepare_model_for_kbit_training casts every other bf16/fp16 parameter to fp32;
-TRL 1.x's SFT/GRPO trainers no longer call it (trl/experimental/utils.py keeps only freezing and
-checkpointing), so vlmprobe does not either: the rest of the model stays in train.param_dtype.
-
+As transformers 5.23 quantizes under BitsAndBytesConfig (integrations/bitsandbytes.py replace_with_bnb_linear):
+every module whose type is exactly nn.Linear becomes a frozen Linear4bit / Linear8bitLt, except the modules
+`get_keys_to_not_convert` names (lm_head, tied weights, the module of the last parameter); so the vision tower's
+and the projector's linear layers are quantized too. Knobs that change memory: the type, double quantization,
+the compute dtype. TRL 1.x's trainers no longer call peft's prepare_model_for_kbit_training, so vlmprobe does not
+either: the rest of the model stays in train.param_dtype.
 backend cuda / cpu: the real bitsandbytes modules (vlmprobe.quantization.bnb_real); estimate: stand-ins that
 allocate what bitsandbytes' CUDA path allocates (vlmprobe.quantization.bnb_standin).
 """

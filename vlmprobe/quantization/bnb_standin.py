@@ -2,28 +2,11 @@
 so the estimate backend (fake tensors, no bitsandbytes needed) charges QLoRA's bytes. Each piece names the
 bitsandbytes code it follows; values are never computed (weights do not change memory, shapes do).
 
-Kept per quantized layer (nn/modules.py Params4bit._quantize -> functional.quantize_4bit, CUDA kernel):
-  4-bit: the packed weight, uint8 [(n + 1) // 2, 1] (two 4-bit codes a byte); QuantState.code, the 16-value
-  fp32 table of the type (get_4bit_type); per block of 64 values an absmax, fp32 [blocks] -- or with double
-  quantization uint8 [blocks], plus state2 (quantize_blockwise at block size 256): a nested fp32 absmax
-  [ceil(blocks / 256)], a copy of the 256-value fp32 dynamic code, and the fp32 scalar offset (the mean).
-  8-bit: Int8Params._quantize -> int8_vectorwise_quant: the int8 weight [out, in] and its fp32 row scales
-  SCB [out].
-Transient per matmul:
-  4-bit forward (autograd/_functions.py MatMul4Bit -> bitsandbytes::gemm_4bit, backends/cuda/ops.py): over
-  1536 rows (M = tokens) CUDA takes `_dequant_linear_fallback`: the nested absmax dequantized (fp32 [blocks])
-  and offset (another fp32 [blocks]), the weight dequantized in the compute dtype, F.linear. Up to 4 rows the
-  fused kernel runs (output only); in between bitsandbytes picks by card and shape: the fallback is charged
-  (the larger), and `notes()` says so.
-  4-bit backward: functional.dequantize_4bit: absmax (fp32 [blocks] with double quant), the weight in its
-  stored dtype, cast to grad_output's dtype, matmul -> grad of the input. Nothing is saved for backward but
-  the packed weight (already kept).
-  8-bit forward (MatMul8bitLt, threshold 6.0): the input cast to fp16, int8_vectorwise_quant (int8 [M, K],
-  fp32 row stats [M], the outlier test |A| >= 6 over [M, K]), int8_linear_matmul (int32 [M, N]),
-  int8_mm_dequant (fp16 [M, N], cast to the input dtype). Outlier columns depend on the activations' values:
-  the stand-in assumes none (each one would keep an [M] column of the input for backward and add to the
-  output). Saved for backward: the input (a view of what the layer got).
-  8-bit backward: the int8 weight copied to the input's dtype and scaled (SCB / 127), grad_output cast, matmul.
+Kept per quantized layer: the packed or int8 weight and its quantization state; transient per matmul: what each
+forward and backward dequantizes or casts (docs/quantization.md lists them). Limits: from 5 to 1536 rows
+bitsandbytes picks the 4-bit forward's kernel by card and shape, and the larger (the dequantize fallback) is
+charged, as `notes()` says; the 8-bit layer's outlier columns depend on the activations' values and none is
+assumed.
 """
 
 from __future__ import annotations

@@ -1,23 +1,13 @@
 """The DPO step (step=dpo): a preference pair's chosen and rejected completions scored by the policy and by a
 frozen reference, the sigmoid loss on the difference of their log-ratios, backward, optimizer. Two trainers'
 programs, which differ in how the log-probabilities are made (`step.logits`):
-
-- `chunked`: TRL's DPOTrainer (trl 1.16, trainer/dpo_trainer.py `_compute_loss`). The policy's forward goes
-  through TRL's fused LM head (vlmprobe.steps.logprob.chunked) with the outputs the trainer asks for its
-  metrics (log-probabilities, entropy, mean logit, top-1 flag); the reference model has its own fused head
-  asking for the log-probabilities alone (with LoRA the policy is its own reference, adapters disabled, so the
-  policy's head and its outputs). No [tokens, vocab] tensor ever lives.
-- `full_fp32`: LLaMA-Factory's CustomDPOTrainer (src/llamafactory/train/dpo/trainer.py `concatenated_forward`
-  and trainer_utils.get_batch_logps, at ff6d4d12; vlmprobe.steps.logprob.full_fp32): the logits of every
-  position upcast to float32, their `log_softmax` kept for backward; the float32 logits stay alive until the
-  loss is made, so through the reference forward. With a reference, each forward first clones its batch.
-
-Both trainers, per micro batch: the policy's forward over 2 x batch_size rows (each prompt, its images and
-videos with it, once with the chosen completion, once with the rejected: [chosen..., rejected...], TRL's
-DataCollatorForVisionPreference and LLaMA-Factory's PairwiseDataCollatorWithPadding alike); then, while
-everything the policy's forward keeps for backward is alive, the reference's forward of the same rows under
-no_grad; the loss; backward; the optimizer step after the last micro batch. Both pad the chosen and rejected
-completions to one length: `step.completion_length`.
+- `chunked`: TRL's DPOTrainer (trl 1.16, trainer/dpo_trainer.py), through fused LM heads: no [tokens, vocab]
+  tensor ever lives.
+- `full_fp32`: LLaMA-Factory's CustomDPOTrainer (src/llamafactory/train/dpo/trainer.py): the float32 logits of
+  every position stay alive until the loss is made.
+Both, per micro batch: the policy's forward over 2 x batch_size rows ([chosen..., rejected...]); while all it keeps
+for backward is alive, the reference's forward of the same rows under no_grad; the loss; backward; the optimizer
+step after the last micro batch. Both pad the completions to one length: `step.completion_length`.
 """
 
 from __future__ import annotations

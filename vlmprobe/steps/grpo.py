@@ -1,24 +1,9 @@
 """The GRPO step (step=grpo), as TRL's GRPOTrainer runs it (trl 1.16, trainer/grpo_trainer.py; the logits
 path of TRL 0.17, which VLM-R1 pins, is `step.logits=logits_to_keep`, and VLM-R1's own trainer's is
-`full_sequence`). Per optimizer step:
-
-1. generate: the prompts of the whole generation batch (per_device_train_batch_size x gradient accumulation
-   rows: TRL's steps_per_generation defaults to the accumulation steps, and each prompt with its image is
-   repeated num_generations times among them) are completed by the policy's own generate under no_grad
-   (vlmprobe.steps.rollout). With use_vllm a vLLM server generates: the phase is absent on this GPU.
-2. reference: with beta > 0, the frozen reference model (a copy of the policy in the policy's weight dtype;
-   with LoRA the policy with its adapters disabled, as TRL uses a PEFT model) scores the completions under
-   no_grad, per_device_train_batch_size rows at a time; its per-token log-probabilities [rows, C] float32
-   stay for the loss. _generate_and_score_completions.
-3. forward / backward per micro batch (prompt + completion rows): per-token log-probabilities and entropy
-   through the logits path (vlmprobe.steps.logprob), the loss of _compute_loss with loss_type grpo
-   (clipped ratio, + beta x KL), divided by the accumulation steps; backward.
-4. optimizer: the step after the last micro batch.
-
-Gradients are zeroed before the rollout: the HF Trainer zeroes them right after each optimizer step, so
-none live while the next generation runs. Rewards are what the loss gets as advantages ([rows] float32, a
-constant reward: zero advantages, which allocate the same as any others). TRL's own bookkeeping (prompt /
-completion masks of the generation batch, reward tensors, metrics) is a few [rows, C] integer tensors.
+`full_sequence`). Per optimizer step: generate the whole generation batch under no_grad (vlmprobe.steps.rollout;
+absent with use_vllm); with beta > 0 the frozen reference scores the completions; forward / backward per micro
+batch through the logits path (vlmprobe.steps.logprob) with loss_type grpo; the optimizer step.
+Gradients are zeroed before the rollout, as the HF Trainer zeroes them right after each optimizer step.
 """
 
 from __future__ import annotations

@@ -1,27 +1,11 @@
 """Per-token log-probabilities of the completion tokens: the two logits paths TRL has had, VLM-R1's own, and
 LLaMA-Factory's DPO one (`full_fp32`, documented where it is defined).
-
-`chunked` (TRL >= 1.x; followed here: trl 1.16 trainer/utils.py add_fused_lm_head and
-kernels/chunked_logprob.py ChunkedLogProbFunction): the backbone's last hidden state is projected through
-the LM head in tiles of 4096 tokens x 32768 vocabulary columns into one reused buffer, and folded into
-online-logsumexp statistics; no [tokens, vocab] tensor ever lives. Its backward recomputes each tile and
-accumulates grad_hidden and grad_weight in float32 (a [vocab, hidden] float32 buffer for a trained head).
-On CUDA the fold is a Triton kernel that works in place on the tile and the statistics, and only the
-completion positions are projected (`compact`); without Triton (the CPU) TRL folds with torch ops and
-projects every position. This module allocates what the CUDA path allocates, op for op; the fold and the
-bf16 -> fp32 accumulation (CUDA's addmm with out_dtype, in place) allocate nothing on CUDA, so they are
-left out (values do not change memory). `compact=False` projects every position, as TRL does on the CPU.
-
-`logits_to_keep` (TRL 0.17, what VLM-R1 pins): the model's own head over the last C + 1 positions gives
-[rows, C + 1, vocab] logits in the compute dtype; the last is dropped, the rest divided by the temperature
-(a copy) and turned into log-probabilities row by row (selective_log_softmax: gather + logsumexp per row in
-float32, log_softmax per row otherwise), so backward keeps those logits and each row's softmax.
-
-`full_sequence` (VLM-R1's own VLMGRPOTrainer._get_per_token_logps, om-ai-lab/VLM-R1
-src/open-r1-multimodal/src/open_r1/trainer/grpo_trainer.py, which does not use TRL 0.17's logits_to_keep):
-the model's head over every position gives [rows, P + C, vocab] logits in the compute dtype; the last
-position is dropped and each row's log_softmax (kept for backward) gathered at the next token, stacked, and
-the completion positions taken after (`[:, prompt_length - 1:]`).
+- `chunked` (TRL >= 1.x; trl 1.16 trainer/utils.py add_fused_lm_head): the LM head in tiles of 4096 tokens x
+  32768 vocabulary columns, folded into online-logsumexp statistics; no [tokens, vocab] tensor ever lives. This
+  module allocates what TRL's CUDA path allocates, op for op, projecting only the completion positions
+  (`compact`); `compact=False` projects every position, as TRL does on the CPU.
+- `logits_to_keep` (TRL 0.17, what VLM-R1 pins): the model's own head over the last C + 1 positions.
+- `full_sequence` (VLM-R1's own VLMGRPOTrainer._get_per_token_logps): the model's head over every position.
 """
 
 from __future__ import annotations

@@ -1,23 +1,10 @@
 """The rollout of a GRPO step: the policy generates `max_completion_length` tokens for every row with the
 model's own `generate`, under no_grad, as TRL's GRPOTrainer does (trl 1.16 grpo_trainer.py,
-_generate_single_turn, regular transformers path): sampling (do_sample, temperature 1, top_p 1, top_k 0),
-the image token suppressed, gradient checkpointing switched off for the call (unwrap_model_for_generation;
-with it on, transformers would drop the KV cache). Every row is forced to the full length
-(min_new_tokens = max_new_tokens: EOS is masked out), the worst case a run reaches.
+_generate_single_turn). Every row is forced to the full length (EOS is masked out), the worst case a run reaches.
 
-Two ways to run it, the same peak:
-- `full`: generate(max_new_tokens=C), token by token, as TRL does.
-- `last_step` (the default): what the full loop holds at its two extremes, without the C - 2 decode steps in
-  between. The memory of a decode step grows with the KV cache, and nothing else in the loop grows faster,
-  so the peak is at the prefill (vision tower, prompt activations) or at the last decode step. Here a first
-  generate call runs the real prefill (and the image encoding before it) and samples one token; the KV
-  cache is then grown in place of the C - 2 middle steps to the length it has before the last step (one
-  allocation per layer, as each decode step's torch.cat makes one); a second generate call continues from
-  that cache with the prompt plus C - 1 tokens and runs the last decode step for real. The image features
-  generate keeps in its kwargs through the whole loop are kept alive through the second call as well.
-  With transformers' DynamicCache each step's cat allocates the grown K and V and frees the old ones: the
-  figures of the last step are the same whichever way the cache got there (tests/test_grpo.py compares
-  both on the cpu backend).
+Two ways to run it, the same peak: `full` generates token by token, as TRL does; `last_step` (the default) runs
+the real prefill and the last decode step, the KV cache grown in place of the C - 2 middle steps. Nothing in the
+loop grows faster than the KV cache, so the peak is at the prefill or at the last decode step.
 """
 
 from __future__ import annotations

@@ -1,32 +1,14 @@
 """What CUDA's fused attention kernels allocate for themselves, beside what they keep for backward.
 
-The estimate runs torch's CPU flash kernel wherever CUDA would run a fused one (vlmprobe.estimate.cuda_rules.sdpa_choice): it
-keeps what CUDA's flash, memory-efficient and cuDNN kernels keep (output and softmax statistics), but a fake kernel
-allocates nothing inside the op. This module makes, around that kernel, the blocks CUDA's own kernels make.
-
-cuDNN attention (`cudnn`), where torch runs it (vlmprobe.estimate.cuda_rules.sdpa_choice.cudnn_runs: first on sm90 and sm100,
-for the fp16/bf16 inputs whose head dims it takes; the sizes below, recorded on sm90, serve sm100 unchecked):
-- forward: a random seed and offset, one int64 each on the device, made before the output
-  (_scaled_dot_product_cudnn_attention_cuda) and saved for backward; and the cuDNN graph's workspace, allocated
-  through the caching allocator after the output and freed as the op returns (MHA.cpp, run_cudnn_SDP_fprop);
-- backward: the backward graph's workspace, after dQ, dK and dV, freed as the op returns. The cuDNN frontend
-  accumulates dQ in fp32 there (SDPABackwardNode's dQ_accum: batch x query heads x query length x head dim x 4 B,
-  the default from cuDNN 9); the engine's own part was one fp32 a query row and 256 B more.
-The sizes of the two engine parts are the recorded run's, not derived from a source: the H200 run of nanoVLM-222M
-(torch 2.11, cuDNN 9.19; results/gpu_check/nvidia-h200/20261128-163858/allocator_requests.csv) asked for 256 B each
-forward and 4 x batch x heads x length x (head dim + 1) + 256 B each backward, for the LM (9 heads, 512 tokens) and the
-ViT (12 heads, 196 patches) at batch 1 and 8 alike. Other cuDNN versions may ask for other sizes; grouped KV heads
-(fewer key heads than query heads) were not in that run, and newer frontends add full-head dK/dV buffers for them
-there, not counted here.
-
-Flash attention (`flash`), torch's bundled FlashAttention 2, where flash runs first (sm80-sm89 cards, and any card
-without a profile): its forward makes nothing beyond its output and statistics (without dropout its seed and offset
-are host tensors); its backward (flash_api.cpp, mha_bwd, after dQ, dK and dV) makes `softmax_d`, fp32 (batch, heads,
-query length rounded to 128), and `dq_accum`, fp32 (batch, query length rounded to 128, heads, head dim rounded to 32),
-and with grouped KV heads dK and dV for every query head, summed into dK and dV; all freed as the op returns
-(softmax_d last, returned to _flash_attention_backward and dropped there). Read from torch's source; no trace of a
-flash run was recorded. Not modelled: memory-efficient attention's backward workspace (its fp32 gradient
-accumulators, sized by the kernel's tile configuration), `deterministic` flash (one dq_accum per split).
+The estimate runs torch's CPU flash kernel wherever CUDA would run a fused one
+(vlmprobe.estimate.cuda_rules.sdpa_choice), and a fake kernel allocates nothing inside the op; this module makes,
+around that kernel, the blocks CUDA's own kernels make. cuDNN attention (where sdpa_choice.cudnn_runs: first on sm90
+and sm100): a random seed and offset and the forward's workspace (MHA.cpp, run_cudnn_SDP_fprop), and the backward's
+workspace with its fp32 dQ accumulator; the workspace sizes are a recorded H200 run's (torch 2.11, cuDNN 9.19), not
+derived from a source. Flash attention (sm80-sm89, and any card without a profile): its backward's `softmax_d` and
+fp32 `dq_accum`, and with grouped KV heads dK and dV for every query head (torch's flash_api.cpp, mha_bwd). Not
+modelled: memory-efficient attention's backward workspace, `deterministic` flash, newer cuDNN frontends' dK/dV
+buffers for grouped KV heads. The details: docs/estimate.md.
 """
 
 from __future__ import annotations

@@ -1,51 +1,14 @@
 """Make ``torch.autocast('cpu', ...)`` cast ops the way ``torch.autocast('cuda', ...)`` does.
 
-The estimate backend runs the real training step on fake CPU tensors, but CPU
-autocast has its own op lists (e.g. CPU runs ``softmax``/``layer_norm``/``sum``
-in the input dtype and ``einsum``/``addmv``/``mv`` in fp32, where CUDA does the
-opposite), so activation dtypes -- and therefore memory -- would differ from a
-CUDA run.  While :func:`cuda_autocast_policy` is active, the kernels registered
-for the ``AutocastCPU`` dispatch key follow CUDA's ``Autocast`` registrations:
-
-* ops CUDA autocasts with a policy CPU does not use for that op get a Python
-  kernel that applies CUDA's policy (``lower_precision_fp``, ``fp32``,
-  ``fp32_set_opt_dtype``, ``fp32_append_dtype``, ``promote``; semantics copied
-  from ``WrapFunction_`` in ``autocast_mode.h``), then redispatches below
-  autocast, like the C++ wrappers do;
-* ``binary_cross_entropy`` raises, as CUDA autocast bans it;
-* ops CPU autocasts but CUDA does not get a fallthrough kernel;
-* ops with the same policy on both keep PyTorch's own C++ CPU kernel.
-
-The registrations live in a ``torch.library.Library`` that is destroyed on exit,
-so PyTorch's CPU kernels come back.  Autocast sits above autograd, so the casts
-are recorded by autograd and the tensors saved for backward are the cast ones,
-as on CUDA.  Works on real and FakeTensorMode CPU tensors.
-
-Lists: ``AT_FORALL_*`` in ``aten/src/ATen/autocast_mode.h`` and the
-``TORCH_LIBRARY_IMPL(aten, Autocast / AutocastCPU, m)`` blocks of
-``aten/src/ATen/autocast_mode.cpp``, torch 2.13.0; the tests check them against
-the kernels the installed binary registers, so a torch upgrade that changes
-them fails loudly.  An op an older torch does not register under a key is left
-out of that key's list when the policy is applied (:func:`installed`): e.g.
-``rms_norm`` joined CUDA's fp32 list in torch 2.12, and a torch 2.11 CUDA run
-keeps its output in the autocast dtype, so the emulation under 2.11 does too.
-
-Weight-cast cache: CUDA's ``cached_cast`` keeps the low-precision copy of every
-fp32 leaf tensor that requires grad (i.e. parameters), made for
-``lower_precision_fp``, until the outermost autocast region exits (not under
-``torch.inference_mode``; under ``no_grad`` the copy still gets a grad_fn).  In
-torch 2.13 CPU autocast uses the same ``cached_cast``, so ops left to the C++
-CPU kernels (linear, mm, matmul, conv, bmm, ...) already cache like CUDA.  The
-Python kernels keep an equivalent cache of their own; while active, this module
-wraps ``torch.clear_autocast_cache`` (called by ``torch.autocast.__exit__``) to
-clear it together with PyTorch's.  A parameter cast by both a C++ and a Python
-kernel in one region gets two copies here, one on CUDA.
-
-Not modelled: device-specific kernels behind the same op (e.g. CUDA's fused
-half-to-float softmax for float16, flash/cuDNN attention choice), and ops that
-only exist on CUDA.  The registrations are process-wide while active (autocast
-state itself stays per-thread): every thread that autocasts on CPU meanwhile
-gets CUDA's policy.
+CPU autocast has its own op lists (e.g. ``softmax``/``layer_norm``/``sum`` in the input dtype and ``einsum`` in fp32,
+where CUDA does the opposite), so activation dtypes, and memory, would differ from a CUDA run. While
+:func:`cuda_autocast_policy` is active, the ``AutocastCPU`` kernels follow CUDA's ``Autocast`` registrations (Python
+kernels with CUDA's policy, as ``WrapFunction_`` in ``autocast_mode.h``; a fallthrough where CUDA does not autocast),
+with a weight-cast cache like CUDA's ``cached_cast``, in a ``torch.library.Library`` destroyed on exit. Autocast sits
+above autograd, so the tensors saved for backward are the cast ones. Lists: ``autocast_mode.h`` / ``.cpp``, torch
+2.13.0, checked by the tests against the installed binary; an op an older torch does not register is left out
+(:func:`installed`). Not modelled: device-specific kernels behind one op, CUDA-only ops. The registrations are
+process-wide while active. The details: docs/estimate.md.
 """
 
 from __future__ import annotations

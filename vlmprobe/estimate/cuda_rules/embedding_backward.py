@@ -1,22 +1,12 @@
 """The index and partial-sum buffers CUDA's embedding backward makes when it sorts the token ids.
 
-`embedding_dense_backward` on CUDA (aten/src/ATen/native/cuda/Embedding.cu) takes one of two paths. Up to 3072 ids
-(and without scale_grad_by_freq) one kernel adds each row of the gradient into the weight's gradient: nothing but that
-gradient is allocated. Above, it sorts the ids and sums each id's rows in parallel (EmbeddingBackwardKernel.cu,
-embedding_backward_cuda_kernel), through buffers sized from the shapes alone (the sync-free form: as many segments as
-min(ids, vocabulary) may need):
-- before the weight's gradient: the sorted ids and their original positions (one index each), and the positions
-  0..n-1 the sort pairs with the ids, dropped after the sort;
-- after it: each segment's offset (one index an id), the segment count (one int64), a scratch index an id for
-  cub's unique-by-key (dropped at once), the partials per segment and their offsets (one index a segment), the
-  partial-segment count (one int64), each partial segment's offset (one index a partial segment: n / 10 + segments,
-  10 rows a thread), and each partial segment's sum of a row (fp32 for fp16 / bf16 gradients), dropped after its
-  kernels; the rest when the op returns, last made first.
-The H200 run of nanoVLM-222M at batch 8, length 512 (4096 ids, 576 features; results/gpu_check/nvidia-h200/
-20261128-163858/allocator_requests.csv) made each of these, of these sizes and in this order, twice; its batch 1
-(512 ids) none. Not modelled: cub's own temporary storage for the sort, the unique-by-key and the scan (83,455 and
-1,279 B there: sized by cub's tuning for the element count), a non-contiguous ids or gradient copied first,
-scale_grad_by_freq (its counts).
+`embedding_dense_backward` on CUDA (aten/src/ATen/native/cuda/Embedding.cu) adds each row of the gradient into the
+weight's gradient up to 3072 ids (and without scale_grad_by_freq), allocating nothing else. Above, it sorts the ids
+and sums each id's rows in parallel (EmbeddingBackwardKernel.cu, embedding_backward_cuda_kernel) through index and
+fp32 partial-sum buffers sized from the shapes alone (the sync-free form), some made before the weight's gradient and
+the rest after it: this module makes them in that order and of those sizes. Not modelled: cub's own temporary
+storage, a non-contiguous ids or gradient copied first, scale_grad_by_freq (its counts). Each buffer, and the H200
+run they were checked against: docs/estimate.md.
 """
 
 from __future__ import annotations

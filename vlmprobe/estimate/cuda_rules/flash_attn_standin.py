@@ -1,26 +1,12 @@
 """FlashAttention 2 on the estimate backend: flash-attn's Python entry points, allocating what its CUDA code does.
 
-`model.attn_implementation=flash_attention_2` is what most VLM recipes train with (VLM-R1, LLaVA, Qwen2-VL's
-own scripts). On the estimate backend transformers' own flash path runs unchanged (its transposes, its dtype
-cast, its varlen / packed-sequence decisions, the vision towers' one varlen call over `cu_seqlens` instead of
-one SDPA call per image or window); only the kernel behind it is this module, written from flash-attn 2.8's
-`flash_attn/flash_attn_interface.py` (the autograd functions) and `csrc/flash_attn/flash_api.cpp` (`mha_fwd`,
-`mha_varlen_fwd`, `mha_bwd`, `mha_varlen_bwd`): the same tensors, of the same shapes and dtypes, made and
-freed in the same order. Values are never computed: the estimate's tensors are fake.
-
-What each call allocates (bytes of the shapes below; H heads of q, Hk of k/v, D head size rounded up to 8,
-Dr = D rounded to 32 (64 above 128), S/Sk query/key lengths, T/Tk the packed totals of a varlen call):
-- forward: `out` like q; `softmax_lse` fp32 (B, H, S) or, varlen, (H, T); `rng_state` int64 (2,). With
-  grad, q/k/v (as given: flash-attn saves its inputs, not their contiguous copies), out, softmax_lse and
-  rng_state are saved for backward; without grad only `out` outlives the call. Inputs whose last dimension is
-  not contiguous are copied for the kernel and the copies freed at return (`maybe_contiguous`), and a head
-  size not a multiple of 8 is padded (`F.pad`), as flash-attn does.
-- backward: dq, dk, dv like the saved q, k, v; inside the kernel call contiguous copies of dout/q/k/v/out
-  where needed, `softmax_d` fp32 (B, H, round128(S)) or (H, T + 128 B), `dq_accum` fp32 (B, round128(S), H, Dr)
-  or (T + 128 B, H, Dr), and for grouped-query attention dk/dv expanded to H heads (then summed into dk, dv).
-Not modelled: the split-KV accumulators flash-attn makes for short queries (decode steps) where the card has
-SMs to spare, at most 128 x B x H x S x Dr x 4 bytes and freed within the call; `deterministic=True`
-(FLASH_ATTENTION_DETERMINISTIC=1: dq_accum per SM split, refused); dropout's returned probabilities.
+With `model.attn_implementation=flash_attention_2` transformers' own flash path runs unchanged (its transposes, its
+dtype cast, its varlen / packed-sequence decisions, the vision towers' one varlen call over `cu_seqlens`); only the
+kernel behind it is this module, written from flash-attn 2.8's `flash_attn/flash_attn_interface.py` (the autograd
+functions) and `csrc/flash_attn/flash_api.cpp` (`mha_fwd`, `mha_varlen_fwd`, `mha_bwd`, `mha_varlen_bwd`): the same
+tensors, of the same shapes and dtypes, made and freed in the same order. Values are never computed. Not modelled:
+the split-KV accumulators for short queries, `deterministic=True` (refused), dropout's returned probabilities. What
+each call allocates: docs/estimate.md.
 """
 
 from __future__ import annotations

@@ -1,22 +1,12 @@
 """Where the autograd engine sums two gradients of one tensor, CUDA adds in place; under a dispatch mode it never does.
 
-A tensor used twice in the forward (a residual stream, a tied embedding, q/k/v read from one input) gets two
-gradients in the backward. The engine sums them in the consumer's input buffer (torch/csrc/autograd/input_buffer.cpp,
-`accumulate`): with grad mode off it writes the sum into the first one, `old_var.add_(var)`, when that one is
-"vanilla" (`!isTensorSubclassLike`), non-overlapping and dense, and the buffer holds the last reference to it and to its
-storage; otherwise `old_var + var`, a new tensor. While any Python dispatch mode is on, `isTensorSubclassLike` is true
-for every tensor, so under the tracker the engine always takes the second way: one new gradient-sized block per sum,
-where a real CUDA run allocates nothing. In a nanoVLM-222M step that was 470 extra transient blocks of the LM's
-residual size, and a second 108 MiB block for the tied embedding's gradient; fed to the allocator model they made
-segments CUDA never made (the H200 trace at batch 1, length 512: 116 MiB more reserved, +2.4%).
-
-`first_summand` recognises the engine's sum (an `aten.add.Tensor` of two tensors dispatched straight from
-`_engine_run_backward` while a node runs and grad mode is off; a backward formula written in Python has frames of its
-own) and returns `old_var` when CUDA would add into it; the tracker then hands old_var's block to the sum instead of
-allocating one. The last-reference test is made on the counts this process sees: old_var's tensor and storage
-reference counts against var's, which reaches the sum the same way (moved out of the node's outputs), so a summand
-also held elsewhere (the same gradient sent to two inputs by an add's backward, a view whose base lives) counts more
-than var and is summed out of place, as on CUDA.
+The engine sums two gradients of one tensor (a residual stream, a tied embedding) in the consumer's input buffer
+(torch/csrc/autograd/input_buffer.cpp, `accumulate`): into the first, `old_var.add_(var)`, when that one is "vanilla"
+(`!isTensorSubclassLike`), non-overlapping and dense and the buffer holds the last reference to it and its storage;
+else `old_var + var`, a new tensor. Under any Python dispatch mode every tensor is subclass-like, so under the tracker
+every sum would be a new block where a real CUDA run allocates none. `first_summand` recognises the engine's sum and
+returns `old_var` where CUDA would add into it, and the tracker hands old_var's block to the sum; the last-reference
+test is made on this process's reference counts. The details, and what the extra blocks cost: docs/estimate.md.
 """
 
 from __future__ import annotations

@@ -1,27 +1,12 @@
 """CUDA's grouped matrix multiply (`torch._grouped_mm`: a mixture-of-experts layer's experts) for fake tensors.
 
-transformers runs MoE experts (Qwen3-VL-MoE, `experts_implementation="grouped_mm"`, its default) through
-`torch.nn.functional.grouped_mm` -> aten `_grouped_mm`: the tokens sorted by expert, one (S, K) x (E, K, N)
-multiply with per-expert row offsets; its backward is two more (torch 2.13: the input's gradient as (S, N) x
-(E, N, K), the weights' as one (E, K, N) output of a 2-D x 2-D call). Fake tensors take torch's meta kernel for it,
-which differs from the CUDA kernel in two ways that change what the estimate allocates:
-
-- dtypes: the meta kernel takes bf16 only (its checks are those of the CUTLASS fast path), while CUDA's
-  `_grouped_mm_cuda` (GroupedBlas.cpp, GroupedMMUtils.h) takes fp32, bf16 and fp16 and runs what the fast path
-  does not take (fp32/fp16, or bf16 off sm90/sm100) as a loop of `mm_out` into one output. grouped_mm has no
-  autocast kernel, and transformers casts the tokens to the experts' dtype, so a model with fp32 weights under
-  bf16 autocast runs its experts in fp32 on CUDA, activations and all: the estimate must do the same, not fail.
-- layout: CUDA makes the output with `create_grouped_gemm_output_tensor`, whose last dimension's stride is padded
-  to a multiple of 16 bytes (TMA alignment); the meta kernel pads only where torch was built with CUDA, so a CPU
-  torch's estimate would get the unpadded size. Equal wherever that dimension is a multiple of 16 bytes (every
-  published MoE's); not for an odd width.
-
-While `cuda_grouped_mm()` is active the meta kernel is CUDA's rules: its input checks (the dtypes, 2-D / 3-D
-operands, offsets with a 2-D operand, 16-byte strides), the output dtype (`mat_a`'s, as
-`_resolve_grouped_mm_out_dtype` requires) and the padded layout; both operands in one dtype, as the fallback's
-`mm_out` requires. Not counted: the fast path's transient buffers (per-group pointers and the CUTLASS workspace,
-a few KiB freed when the kernel is queued) and the fallback's host copy of the offsets. The cpu backend runs
-torch's CPU kernel, unpadded: estimate and cpu agree where the widths are aligned (tests use aligned widths).
+transformers runs MoE experts (`experts_implementation="grouped_mm"`) through aten `_grouped_mm`, whose meta kernel
+differs from CUDA's `_grouped_mm_cuda` (GroupedBlas.cpp, GroupedMMUtils.h) in what the estimate allocates: it takes
+bf16 only, where CUDA also runs fp32 and fp16 (a loop of `mm_out`: fp32 experts under bf16 autocast run in fp32), and
+it pads the output's last stride to 16 bytes only where torch was built with CUDA. While `cuda_grouped_mm()` is
+active the meta kernel is CUDA's rules: its input checks, the output dtype (`mat_a`'s) and the padded layout. Not
+counted: the fast path's transient buffers and the fallback's host copy of the offsets. The cpu backend runs torch's
+CPU kernel, unpadded: estimate and cpu agree where the widths are aligned. The details: docs/estimate.md.
 """
 
 from __future__ import annotations

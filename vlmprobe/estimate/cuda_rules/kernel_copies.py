@@ -4,25 +4,10 @@ A kernel that needs its input laid out row by row calls `input.expect_contiguous
 non-contiguous input is copied into a new block for the duration of the op, allocated before its outputs (or, for
 the ops of the second table, after them) and freed when it returns. The tracker sees only what an op returns, so it
 charges these copies from the tables below (the op's inputs each kernel copies, by argument position), in that
-order: copies, outputs, then the copies freed.
-
-- native_layer_norm (aten/src/ATen/native/cuda/layer_norm_kernel.cu, layer_norm_cuda: X, gamma and beta through
-  expect_contiguous, then Y, mean and rstd) and native_layer_norm_backward (layer_norm_backward_cuda: X, gamma, beta,
-  then dX, dgamma, dbeta). A ViT whose residual stream starts as the patch embedding's `flatten(2).transpose(1, 2)`
-  (nanoVLM's, and so every block's `x + attn(ln(x))` after it) feeds every layer norm a transposed input: on an H200
-  each of nanoVLM-222M's 50 layer norms a step, forward and backward, copied its 196 x 768 fp32 input (602,112 B),
-  in the recorded trace of batch 1 at length 512 (results/gpu_check/nvidia-h200/20261128-163858/allocator).
-- convolution_backward through cuDNN (aten/src/ATen/native/cudnn/ConvShared.cpp: grad_output laid out in the input's
-  memory format before the dgrad / wgrad calls): the same patch embedding's gradient arrives transposed, and the
-  trace holds its copy (196 x 768 bf16, 301,056 B) once a step, allocated before cuDNN's workspace.
-- max() and min() of a whole tensor (ReduceAllOps.cpp: `max_all_stub(..., result, self.contiguous())`), after their
-  0-dim output: nanoVLM's rotary embedding takes `positions.max()` of positions expanded over the batch, and the H200
-  trace at batch 8 holds that copy (8 x 512 int64, 32,768 B) once a step; at batch 1 the positions are contiguous.
-- advanced indexing with two or more index tensors (aten/src/ATen/native/TensorAdvancedIndexing.cpp, AdvancedIndex: on
-  CUDA, index tensors broadcast to one shape whose strides do not all match are each made contiguous): index.Tensor
-  (before its output), index_put_ (in place) and index_put (after its output, a clone of self). nanoVLM writes the
-  image features over their positions with `embeds[rows, columns] = image`, `rows` expanded over the 49 columns: the
-  trace holds its copy (batch x 49 int64) once in the forward and twice in the backward (index, index_put), a step.
+order: copies, outputs, then the copies freed. The ops, from torch's CUDA sources: native_layer_norm and its backward
+(layer_norm_kernel.cu), convolution_backward through cuDNN (ConvShared.cpp), max() and min() of a whole tensor
+(ReduceAllOps.cpp), and advanced indexing with index tensors whose broadcast strides differ
+(TensorAdvancedIndexing.cpp). Where a model meets each, and the H200 trace that holds them: docs/estimate.md.
 """
 
 from __future__ import annotations

@@ -1,27 +1,13 @@
 """The staging buffer CUDA's reduction kernel allocates when one reduction spans several thread blocks.
 
-aten's CUDA reductions (sum, mean and the others built on aten/src/ATen/native/cuda/Reduce.cuh, gpu_reduce_kernel)
-pick a launch configuration from the TensorIterator's shape and strides and the card's multiprocessors
-(`setReduceConfig`). Where each output has many inputs and there are few outputs, it splits every output's inputs
-across `ctas_per_output` thread blocks, which meet in global memory: the kernel then allocates a staging buffer
-(`global_memory_size`) and a semaphore per column of blocks (`semaphore_size`) from the caching allocator, after the
-op's output, and frees both (semaphores first) when it returns. A fake kernel allocates neither.
-
-In a training step these are the gradients of biases and norm weights: `grad.sum(0)` over every token of a batch.
-The H200 trace of nanoVLM-222M at batch 8, length 512 (results/gpu_check/nvidia-h200/20261128-163858/allocator)
-holds four kinds of them, each the formula below to the byte: the LM's 61 RMS norm weight gradients (fp32 4096 x 576
-summed over rows: 64 blocks an output, 18,874,368 + 20 B), the ViT's biases of 2304 (qkv), 3072 (fc1) and 768
-(out, fc2, the patch conv) outputs over 1568 rows of bf16 (25 blocks an output: 29,491,200, 39,321,600 and
-9,830,400 B); at batch 1 each output has too few rows and the trace holds none. One of 9 or 18 MiB is rounded into a
-20 MiB segment or a segment of its own where no cached block fits, which is how it moves reserved memory.
-
-Modelled: sum (sum.default, sum.dim_IntList, and the bias gradient convolution_backward sums) and mean
-(mean.default, mean.dim) of a floating tensor into its own dtype or, from fp16/bf16, into fp32 (CUDA reduces those
-in one kernel; `gpu_lowp_to_f32` in ReduceOps.cpp), on a target card (the config reads its multiprocessor count and
-threads per multiprocessor). Not modelled: other reductions
-(amax, norm, var, ...), a dtype change that makes CUDA cast the input first, and iterators too large for 32-bit
-indexing (TensorIterator splits those, one kernel and buffer each); torch versions whose float sum picks a wider
-vector when the reduced size is a multiple of 1024 (it changes only reductions along the fastest dimension).
+aten's CUDA reductions (aten/src/ATen/native/cuda/Reduce.cuh, gpu_reduce_kernel) pick a launch configuration from the
+TensorIterator's shape and strides and the card's multiprocessors (`setReduceConfig`). Where each output has many
+inputs and there are few outputs, every output's inputs are split across `ctas_per_output` thread blocks, and the
+kernel allocates a staging buffer (`global_memory_size`) and semaphores (`semaphore_size`) after the op's output,
+freed (semaphores first) when it returns; in a training step, the gradients of biases and norm weights. Modelled: sum
+and mean of a floating tensor into its own dtype or, from fp16/bf16, into fp32 (`gpu_lowp_to_f32`), on a target card.
+Not modelled: other reductions, a dtype change that makes CUDA cast the input first, iterators split for 32-bit
+indexing, torch versions with a wider float-sum vector. The details, and the trace that checked them: docs/estimate.md.
 """
 
 from __future__ import annotations

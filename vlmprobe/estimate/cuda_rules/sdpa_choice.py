@@ -1,37 +1,14 @@
 """Which SDPA kernel CUDA would run, and the math kernel on the CPU where CUDA would fall back to it.
 
-torch's CPU SDPA is a flash kernel that takes every input (any dtype, masks, grouped KV heads) and keeps
-O(L) state for backward. On CUDA the flash and memory-efficient kernels refuse some inputs and SDPA falls
-back to the math kernel, which keeps the (B, H, L, L) attention weights: the estimate must do the same.
-The rules, from torch's CUDA kernel selection (sdp_utils.cpp) and the documentation of
-scaled_dot_product_attention (torch 2.11-2.13), for the inputs our models give (dense, 4-d, no nesting):
-- flash: fp16/bf16 inputs, no attn_mask (is_causal is fine), head_dim <= 256 and a multiple of 8;
-  grouped KV heads (enable_gqa) are supported;
-- memory-efficient: fp32/fp16/bf16, masks allowed, head_dim a multiple of 8 (4 for fp32); no enable_gqa;
-- math: anything else, e.g. fp32 with grouped KV heads (Qwen2-VL trained without autocast).
-Where CUDA's chosen kernel raises instead of falling back (a memory-efficient bias whose dtype is not the
-query's), the estimate raises the same error.
-Memory-efficient attention takes its mask (`bias`) only with every stride but the last a multiple of 8 elements
-(attention.cpp preprocess_mask / aligned_tensor / pad_bias): any other mask is copied into one whose rows are
-padded to the next multiple of 8 (then sliced back), and that copy, not the caller's mask, is what the kernel
-saves for backward: one (B, 1, L, L + pad) copy per attention call alive until backward, where an aligned mask
-is shared by every layer. The estimate makes the same copy where CUDA would run that kernel (`aligned_bias`);
-where the card's profile puts cuDNN first (sm90) a fp16/bf16 masked call goes to cuDNN, which takes the mask
-as it is, so no copy is made there.
-The dtype that counts is the one the kernel sees: under autocast, the autocast dtype.
-With a target card (device=, vlmprobe.gpu.device_profile) the card's limits apply too (sdp_utils.cpp):
-- flash runs only where the profile says so (sm80-sm121: not on a V100), and on sm86/sm89/sm120/sm121 not
-  for training (an input that requires grad) with head_dim in (192, 224];
-- memory-efficient takes bf16 only from sm80, and fp32 head dims aligned to 1 below sm80 (no TF32 tensor
-  cores: minimum_gemm_alignment) rather than 4.
-So on a V100 fp16 attention with grouped KV heads (what transformers passes when there is no mask) runs the
-math kernel, as CUDA does there. Without a card: the rules of an sm80+ card with flash first (A100, RTX 30/40).
-cuDNN attention, which torch tries first on sm90 and sm100 (H100/H20/H200, B200) with a recent cuDNN, keeps what
-flash keeps for backward (output and softmax statistics), so the flash-first order gives the same saved bytes
-wherever flash or memory-efficient would run; where cuDNN runs (cudnn_runs), its seed, offset and workspaces are
-made around the fused kernel, and where flash runs its backward's accumulators (vlmprobe.estimate.cuda_rules.attention_scratch).
-cuDNN also takes a mask with grouped KV heads, which here falls to math (transformers passes grouped heads only
-without a mask). Not modelled: head_dim > 224 with dropout on sm86/89, dropout masks.
+torch's CPU SDPA is a flash kernel that takes every input and keeps O(L) state for backward; on CUDA the flash and
+memory-efficient kernels refuse some inputs and SDPA falls back to the math kernel, which keeps the (B, H, L, L)
+attention weights: the estimate must do the same. The rules are torch's CUDA kernel selection (sdp_utils.cpp, torch
+2.11-2.13) for dense 4-d inputs, in the dtype the kernel sees (under autocast, the autocast dtype), with a target
+card's limits (vlmprobe.gpu.device_profile); without a card, an sm80+ card's with flash first. Where CUDA raises
+instead of falling back, so does the estimate. A memory-efficient mask not aligned to 8 elements is copied, padded,
+as CUDA does (attention.cpp pad_bias; `aligned_bias`). cuDNN, first on sm90 and sm100, keeps what flash keeps; its
+own buffers are vlmprobe.estimate.cuda_rules.attention_scratch's. Not modelled: dropout masks, and head_dim above 224
+with dropout on sm86/89. The rules one by one: docs/estimate.md.
 """
 
 from __future__ import annotations

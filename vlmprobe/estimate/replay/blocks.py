@@ -1,35 +1,13 @@
 """A model's repeated blocks replayed within a point's first step: the first and the last block of a tower run, the
 ones between replay their allocations, in the forward and in the backward.
 
-Nearly all of an estimate point's time is fake-tensor dispatch inside its transformer blocks (nanoVLM-222M, batch 8,
-length 512: 98 % of the forward's), and the blocks of a tower run one program: the same class, the same settings and
-parameter shapes, called on a hidden state of the same shape with the same other arguments (one rotary table, one
-mask). So they ask the allocator for the same blocks in the same order, each freed at the same point of its own
-forward or backward. Which towers are such is the model family's to say (ModelSpec.repeated_blocks: nanoVLM's, whose
-blocks are our own code with nothing that depends on a block's place); the blocks of a tower must also match here,
-module by module (classes, settings, parameters, no hooks), or none of them is replayed.
-
-In the forward, block 0 runs while the step's log (tracker.AllocationLog) records its allocations: that segment is the
-template. Blocks 1 .. N-2 replay it through an autograd Function: each allocation a bare block of the allocator model,
-freed where the template freed it, the output a fresh tensor allocated where the template allocated its own. What the
-template left alive (what autograd saved, what autocast cached) stays allocated, held by the replay. Block N-1 runs
-and must log the same segment as block 0.
-
-In the backward, block N-1 runs first (backward goes in reverse): its segment, from its output's gradient to the
-replayed block N-2's turn, is the backward template. Each replayed block then plays it: the blocks its forward kept,
-freed where the template freed its own; its parameters' gradients and its input's gradient as fresh tensors where the
-template allocated them (autograd takes the gradients as the parameters' .grad, as it took the template's); its input
-and the gradient it was given released where the template's were freed (Python holds them a moment longer: the
-tracker frees their blocks at that point, LiveBytesTracker.release). Block 0 runs.
-
-What the template kept and freed outside both segments (autocast's cached casts that backward does not need: freed when
-the forward's autocast region closes) is freed with block 0's: blocks N-1's copies must fall in the same run of frees,
-with nothing allocated in between, where the order of frees does not change the allocator's state.
-
-Anything that breaks these (a block called out of order or with other arguments, block N-1's segment unlike block
-0's, a template block freed where no copy can be, a gradient autograd did not take as is) is a Mismatch: the point
-is measured again with every block run (vlmprobe.point.measure.measure). The cpu backend runs every block, so estimate ==
-cpu checks the replay (tests/test_block_replay.py).
+The blocks of a tower run one program (the same class, settings and parameter shapes, on inputs of the same shape),
+so they ask the allocator for the same blocks in the same order. Which towers are such is the model family's to say
+(ModelSpec.repeated_blocks: nanoVLM's), and the blocks must match module by module. Block 0's forward and block N-1's
+backward, logged (tracker.AllocationLog), are the templates blocks 1 .. N-2 play: bare blocks of the allocator model,
+fresh tensors for outputs and gradients, each freed where the template freed its own. Anything that breaks this is a
+Mismatch: the point is measured again with every block run (vlmprobe.point.measure.measure). The cpu backend runs
+every block, so estimate == cpu checks the replay (tests/test_block_replay.py). The details: docs/estimate.md.
 """
 
 from __future__ import annotations

@@ -1,26 +1,12 @@
 """Built models kept for the later points of a process, their build replayed into each point's allocator model.
 
-Every estimate point builds its model on fake tensors before its first step: ~0.17 s of a ~0.85 s warm
-nanoVLM-222M point. Points of a sweep that differ only in what the step sees (batch, length, image size,
-allocator settings, capacity, steps) build the same model and apply the same knobs: what is built is decided by
-the point's `model` and `train` config (the key). A process that measures many points (a pool worker; the
-sweep process under launcher=local) keeps the model such a point built, knobs applied, with the log of the
-device allocations and frees its build made (LiveBytesTracker.log), and a later point with that key takes it:
-- the log is played into the new point's allocator model (fresh, as every point's is when its build begins): the
-  same blocks in the same order, each freed where it was, so the segments, the figures and the peak the build
-  read (its mark, before quantization and the knobs) are the build's;
-- each storage the model holds is charged to the new point's tracker with the block its allocation got in that
-  replay (LiveBytesTracker.adopt): it is freed into the new model when it dies, as a fresh build's would be;
-- the model is put back as the build left it, whatever the last point did to it: each module's attributes
-  (a tensor a forward cached on a module; a replaced buffer; a hook; a
-  forward a block replay swapped), each parameter's requires_grad, and no gradients. A module tree that changed
-  (a module added or replaced) is not put back: that point builds again.
-A build is kept only if its log accounts for every block: each block alive at its end is a storage the model
-holds (a parameter, a buffer, a tensor attribute of a module), no block allocated before it is freed in it and
-nothing is resized in place. Only the estimate backend's fake tensors keep models (one fake mode a process:
-fast_fake.session_mode), never the cpu backend, so estimate == cpu checks the reuse; and only for the single
-device engine running SFT steps (worker.model_key): the other engines wrap or shard the model, GRPO builds a
-reference beside it.
+Points that differ only in what the step sees build the same model with the same knobs: what is built is decided by
+the point's `model` and `train` config (the key). A process that measures many points keeps the model such a point
+built, knobs applied, with the log of its build's device allocations and frees (LiveBytesTracker.log); a later point
+with that key plays the log into its own allocator model, charges the model's storages to its tracker
+(LiveBytesTracker.adopt) and gets the model put back as the build left it. A build is kept only if its log accounts
+for every block; only on the estimate backend (so estimate == cpu checks the reuse), and only for the single device
+engine running SFT steps. The details: docs/estimate.md.
 """
 
 from __future__ import annotations

@@ -1,23 +1,12 @@
 """A recorded CUDA allocator snapshot replayed through the allocator model: what the model says of allocated and
 reserved bytes for the very allocations a real run made.
 
-The snapshot is `torch.cuda.memory._snapshot()` pickled (`_dump_snapshot`; what `measure.snapshot=true` writes
-per point on CUDA, to <results>/snapshots/). Its schema (torch/cuda/memory.py, `_snapshot`'s docstring, and
-torch/csrc/cuda/Module.cpp, THCPModule_memorySnapshot):
-  {"segments": [{"address", "total_size", "allocated_size", "active_size", "requested_size", "stream",
-                 "segment_type", "segment_pool_id", "is_expandable", "frames",
-                 "blocks": [{"address", "size", "requested_size", "state", "frames"}, ...]}, ...],
-   "device_traces": [[{"action", "addr", "size", "stream", "time_us", "frames", ...}, ...] per device],
-   "allocator_settings": {"PYTORCH_CUDA_ALLOC_CONF": the settings string, "max_split_size", ...}}
-Trace actions: alloc (size: the bytes asked for), free_requested, free_completed (the block is back in the
-cache), segment_alloc / segment_free (cudaMalloc / cudaFree of `size` bytes), segment_map / segment_unmap
-(expandable segments' pages), oom (size: the rounded request; device_free), snapshot.
-
-The model gets every `alloc` (malloc of its size) and `free_completed` (free); the recorded reserved bytes
-follow the segment actions, the recorded requested bytes the allocs and frees. Both are compared after every
-alloc and free; block sizes are not in the trace, so allocated bytes are compared at the end, against the
-blocks of the snapshot's segments. The pickle is read with an unpickler that builds only plain Python values
-(a snapshot has no other), so a file that is not a snapshot is refused without running anything in it.
+The snapshot is `torch.cuda.memory._snapshot()` pickled (`_dump_snapshot`; what `measure.snapshot=true` writes per
+point on CUDA, to <results>/snapshots/). The model gets every `alloc` and `free_completed` of its trace; the recorded
+reserved and requested bytes are compared after every alloc and free, allocated bytes at the end against the blocks
+of the snapshot's segments (block sizes are not in the trace). The pickle is read with an unpickler that builds only
+plain Python values, so a file that is not a snapshot is refused without running anything in it. The snapshot's
+schema and trace actions: docs/estimate.md.
 """
 
 from __future__ import annotations

@@ -1,41 +1,13 @@
 """The estimate's training steps replayed from logged allocations, without running the model again: a point's
 later forward and backward from its first ones, and its optimizer steps from an earlier point's.
 
-An estimate point spends most of its time in per-op fake-tensor dispatch, and a plain step (one device, one micro
-batch a step) runs the same program on the same shapes every time: the forward and the backward of step 2 ask the
-allocator for exactly what step 1's did, in the same order. Only the allocator's state differs (step 1's optimizer
-made AdamW's state), and the allocator model is what turns the same requests into the figures. So step 1 runs
-for real while its requests and frees are logged (LiveBytesTracker.log), and each later forward and backward
-replays that log into the allocator model: the same blocks in the same order, each freed where it was freed. A
-point's optimizer steps are not replayed from its own first (that one makes the state; the later ones do not), but
-from an earlier point's (below).
-
-The replay has to leave Python as the real pass would, because what Python holds decides what is freed after it:
-- the forward's results (loss, outputs): fresh fake tensors of the same shapes, strides and dtypes on a fresh
-  storage of the same size, allocated at the point of the log where step 1 allocated theirs. The step loop then
-  drops and holds them as it held step 1's (measure.hold_outputs), so the frees Python makes happen where they
-  did. A result that autograd saved for the backward is held here until the log's point where the backward
-  freed it;
-- the backward's gradients: fresh fake tensors at the log's points where step 1's were allocated, set as each
-  parameter's .grad, so the optimizer step reads them and zero_grad frees them as it freed step 1's;
-- every other block (saved activations, temporaries): a bare block of the allocator model, allocated and freed
-  at its logged points.
-
-A log is replayed only if it accounts for every block it touched: the forward's blocks still alive when it
-returns are the results or are freed in the backward; the backward's blocks still alive at its end are
-gradients; no block allocated before the log is freed in it; nothing is allocated between the forward and the
-backward. Anything else (a module caching a tensor on its first call, a wrapper that rebuilds buffers on its
-second step as DDP does), and every step runs for real. Which engines repeat their steps alike is the
-engine's to say (Engine.repeats_steps); the cpu backend never replays, so estimate == cpu checks the replay.
-
-The optimizer step reads the parameters, their gradients and its own state, never the batch: points that differ
-only in what the forward sees (batch, length, image size, held outputs, allocator settings) ask the allocator for
-the same blocks in each optimizer step. A process that measures many points (a pool worker; the sweep process
-under launcher=local) keeps each optimizer step's log by a key of what can change those blocks (OptimizerPlans),
-and a later point with that key replays all of its optimizer steps from the logs: temporaries as bare blocks,
-the state the first step makes as fresh tensors put in the optimizer's state, so the figures read from it are
-the same. A step's log is kept only if every block it leaves alive is a state tensor's and it frees nothing
-allocated before it. A point with a step no log is kept of runs every optimizer step (and logs that one).
+A plain step (one device, one micro batch a step) runs the same program on the same shapes every time, so step 1 runs
+for real while its requests and frees are logged (LiveBytesTracker.log), and each later forward and backward replays
+that log into the allocator model. The replay leaves Python as the real pass would: results and gradients are fresh
+fake tensors allocated where step 1's were, every other block a bare block of the allocator model. A log is replayed
+only if it accounts for every block it touched; else every step runs. Which engines repeat their steps alike is the
+engine's to say (Engine.repeats_steps). Optimizer steps replay an earlier point's logs of the same key
+(OptimizerPlans). The cpu backend never replays, so estimate == cpu checks the replay. The details: docs/estimate.md.
 """
 
 from __future__ import annotations
