@@ -67,6 +67,34 @@ BAD_INPUT = {
     "adding a key that exists": (["+data.batch_size=2"], "+data.batch_size=2 is not allowed: data.batch_size is "
                                                           "already a config key; set it without the +: data.batch_size=2"),
     "dry_run not a bool": (["dry_run=maybe"], "dry_run='maybe' is not allowed: use true or false"),
+    # issue 54: byte sizes by one grammar, fractions of a byte refused; each axis value once; interpolations
+    "a size of two decimal points": (["measure.device_memory=1.2.3"], "measure.device_memory='1.2.3' is not "
+                                     "allowed: give bytes or a size like 24GiB (a number, then B, KiB, MiB, GiB or TiB)"),
+    "half a byte": (["measure.device_memory=0.5"], "measure.device_memory=0.5 is not allowed: it is 0.5 bytes, not a "
+                                                   "whole number of bytes; give 1 or more"),
+    "a fraction of a byte in GiB": (["memory_budget=0.1GiB"], "memory_budget='0.1GiB' is not allowed: it is "
+                                                              "107374182.4 bytes, not a whole number of bytes; give "
+                                                              "107374182 or 107374183"),
+    "a key added with + that nothing reads": (["model=nanovlm_tiny", "+model.text.hidden_sise=4096"],
+                                              "+model.text.hidden_sise=4096 is not allowed: model.text has no key "
+                                              "'hidden_sise', and vlmprobe would never read it; did you mean "
+                                              "model.text.hidden_size? (keys there: hidden_size, "),
+    "a key added with + under the vision tower": (["model=nanovlm_tiny", "+model.vision.nosuch=1"],
+                                                  "+model.vision.nosuch=1 is not allowed: model.vision has no key "
+                                                  "'nosuch', and vlmprobe would never read it (keys there: "),
+    "a top-level key added with +": (["+nosuch=1"], "+nosuch=1 is not allowed: 'nosuch' is not a config key, and "
+                                                    "vlmprobe would never read it (keys there: data, device, "),
+    "a tower a million layers deep": (["model=nanovlm_tiny", "model.text.num_hidden_layers=1000000"],
+                                      "model.text.num_hidden_layers=1000000 is not allowed: vlmprobe builds at most 256 "
+                                      "layers a tower (the deepest published VLM towers have 100 or fewer); give at "
+                                      "most 256"),
+    "an axis value twice": (["+sweep=smoke", "sweep.axes.data.batch_size=[1,1,2]"],
+                            "sweep.axes.data.batch_size=[1, 1, 2] is not allowed: 1 is given twice; give each value "
+                            "once"),
+    "an environment variable that is not set": (["data.batch_size=${oc.env:VLMPROBE_NOT_SET}"],
+                                                 "data.batch_size=${oc.env:VLMPROBE_NOT_SET} is not allowed: it does "
+                                                 "not resolve (KeyError raised while resolving interpolation: "
+                                                 "\"Environment variable 'VLMPROBE_NOT_SET' not found\")"),
     "max_points not positive": (["sweep.max_points=0"], "sweep.max_points=0 is not allowed: it must be a positive integer"),
     "alloc_conf not text": (["measure.alloc_conf=[1]"], "measure.alloc_conf=[1] is not allowed"),
     # allocator settings, by torch's own parser rules (issue 12)
@@ -275,7 +303,7 @@ def test_an_interrupt_between_making_the_dir_and_its_config_leaves_nothing_and_s
 
     made = tmp_path / "smoke" / "20261123-000000"
     made.mkdir(parents=True)
-    (made / "config.yaml.partial").write_text("measure: {")
+    (made / "config.partial.yaml").write_text("measure: {")
     assert interrupted_line(["+sweep=smoke"], made) == "vlmprobe: interrupted before any point ran; nothing was written"
     assert not made.exists()
 

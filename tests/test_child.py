@@ -2,6 +2,7 @@
 
 import os
 import signal
+import subprocess
 import sys
 import time
 
@@ -181,3 +182,24 @@ def test_a_crashing_fork_dumps_its_stack_as_a_fresh_interpreter_would_never_into
     assert code == -signal.SIGSEGV and "about to crash" in stderr
     assert ("Fatal Python error: Segmentation fault" in stderr) == asked
     assert parents.read_text() == ""
+
+
+@pytest.mark.parametrize("how", ["started", "forked"])
+def test_a_child_dies_with_a_parent_killed_with_sigkill(tmp_path, how):
+    """A parent killed outright runs no handler (a sweep's SIGKILL, an OOM kill): its child asked the kernel to
+    die with it (Linux), so no worker outlives its sweep holding a GPU."""
+    if child.PARENT_DEATH_SIGNAL is None:
+        pytest.skip("the parent-death signal is Linux's")
+    start = ("child.start([sys.executable, '-c', 'import time; time.sleep(60)'], None)" if how == "started" else
+             "child.start_forked(lambda: time.sleep(60), dict(os.environ))")
+    code = (f"import os, sys, time\nfrom vlmprobe import child\nproc = {start}\n"
+            f"open({str(tmp_path / 'pid')!r}, 'w').write(str(proc.pid))\ntime.sleep(60)")
+    parent = subprocess.Popen([sys.executable, "-c", code])
+    pid = grandchild(tmp_path)
+    assert alive(pid)
+    parent.kill()
+    parent.wait()
+    deadline = time.time() + 2
+    while time.time() < deadline and alive(pid):
+        time.sleep(0.05)
+    assert not alive(pid)

@@ -10,7 +10,7 @@ from vlmprobe import interrupt
 
 
 def test_a_ctrl_c_inside_a_weakref_callback_is_raised_after_it_instead_of_printed(capsys, monkeypatch):
-    monkeypatch.setattr(interrupt, "_received", False)  # put back afterwards: the next test saw no Ctrl-C
+    monkeypatch.setattr(interrupt, "_received", None)  # put back afterwards: the next test saw no Ctrl-C
     class Thing:
         pass
 
@@ -31,23 +31,25 @@ def test_a_ctrl_c_inside_a_weakref_callback_is_raised_after_it_instead_of_printe
     assert "Exception ignored" not in capsys.readouterr().err
 
 
-def test_a_ctrl_c_inside_a_deferred_block_is_raised_when_the_block_ends(monkeypatch):
-    monkeypatch.setattr(interrupt, "_received", False)
+@pytest.mark.parametrize("signum,code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
+def test_a_ctrl_c_or_sigterm_inside_a_deferred_block_is_raised_when_the_block_ends(monkeypatch, signum, code):
+    monkeypatch.setattr(interrupt, "_received", None)
     ran = []
     with pytest.raises(KeyboardInterrupt), interrupt.watching():
         with interrupt.deferred():  # as torch's first import: the block runs to its end
-            signal.raise_signal(signal.SIGINT)
-            ran.append("after the Ctrl-C")
+            signal.raise_signal(signum)
+            ran.append("after the signal")
         ran.append("after the block")
-    assert ran == ["after the Ctrl-C"] and interrupt.received()
+    assert ran == ["after the signal"] and interrupt.received()
+    assert interrupt.exit_code() == code and interrupt.signal_name() == signal.Signals(signum).name
 
 
 def test_a_deferred_block_without_a_ctrl_c_or_outside_watching_changes_nothing(monkeypatch):
-    monkeypatch.setattr(interrupt, "_received", False)
+    monkeypatch.setattr(interrupt, "_received", None)
     with interrupt.watching():
         with interrupt.deferred():
             pass
-        assert signal.getsignal(signal.SIGINT) is interrupt._on_sigint  # Ctrl-C raises at once again
+        assert signal.getsignal(signal.SIGINT) is interrupt._on_signal  # Ctrl-C raises at once again
     before = signal.getsignal(signal.SIGINT)  # Python's default, or SIG_IGN where the runner started in the background
     with interrupt.deferred():  # not watching: the handler stays whatever it was
         assert signal.getsignal(signal.SIGINT) is before

@@ -75,7 +75,8 @@ def processes() -> dict[int, tuple[int, int]]:
     return found
 
 
-def test_ctrl_c_during_a_pool_sweep_ends_every_worker_keeps_the_rows_and_resumes(tmp_path):
+def pool_sweep_with_a_row_and_running_workers(tmp_path) -> tuple[subprocess.Popen, set[int]]:
+    """A smoke sweep under launcher=pool, caught at a moment with a finished row and its workers still running."""
     proc = subprocess.Popen([sys.executable, "-m", "vlmprobe", *SMOKE, *POOL, f"results_dir={tmp_path}"],
                             cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
                             env={**os.environ, **ENV})
@@ -87,14 +88,24 @@ def test_ctrl_c_during_a_pool_sweep_ends_every_worker_keeps_the_rows_and_resumes
             break
         time.sleep(0.1)
     assert workers and proc.poll() is None, "no moment with a finished row and a running worker"
-    proc.send_signal(signal.SIGINT)
+    return proc, workers
+
+
+@pytest.mark.parametrize("signum,code,said", [(signal.SIGINT, 130, "interrupted"),
+                                              (signal.SIGTERM, 143, "interrupted by SIGTERM")])
+def test_ctrl_c_or_sigterm_during_a_pool_sweep_ends_every_worker_keeps_the_rows_and_resumes(tmp_path, signum, code,
+                                                                                          said):
+    # SIGTERM is what SLURM (scancel, a time limit), Kubernetes and `kill` send first: the same as Ctrl-C
+    proc, workers = pool_sweep_with_a_row_and_running_workers(tmp_path)
+    proc.send_signal(signum)
     _, err = proc.communicate(timeout=60)
-    assert proc.returncode == 130 and "Traceback" not in err, err
+    assert proc.returncode == code and "Traceback" not in err, err
 
     out_dir = results_dir(tmp_path)
     kept = len(pd.read_csv(out_dir / "results.csv"))
+    assert (out_dir / "summary.md").is_file()  # the tables are made from the rows kept
     line = err.strip().splitlines()[-1]
-    assert 1 <= kept < 4 and line.startswith(f"vlmprobe: interrupted: {kept} rows kept in {out_dir / 'results.csv'}; "
+    assert 1 <= kept < 4 and line.startswith(f"vlmprobe: {said}: {kept} rows kept in {out_dir / 'results.csv'}; "
                                              f"resume with: python -m vlmprobe "), err
     # every worker and whatever it started (its session) has ended, not merely lost its parent
     left = [pid for pid, (_, session) in processes().items() if pid in workers or session in workers]
@@ -106,6 +117,17 @@ def test_ctrl_c_during_a_pool_sweep_ends_every_worker_keeps_the_rows_and_resumes
     assert f"resume: {kept} of 4 points already have rows" in done.stderr
     rows = pd.read_parquet(out_dir / "results.parquet")
     assert len(rows) == 4 and rows["point_id"].is_unique and set(rows["status"]) == {"ok"}
+
+
+def test_no_worker_outlives_a_sweep_killed_with_sigkill_by_more_than_2_s(tmp_path):
+    # a sweep killed outright runs no handler: each worker asked the kernel to die with it (Linux)
+    proc, workers = pool_sweep_with_a_row_and_running_workers(tmp_path)
+    proc.kill()
+    proc.communicate(timeout=60)
+    deadline = time.time() + 2
+    while time.time() < deadline and workers & set(processes()):
+        time.sleep(0.05)
+    assert not workers & set(processes()), "workers outlived the killed sweep"
 
 
 def test_killing_the_children_ends_those_running_and_any_started_after():

@@ -112,3 +112,41 @@ def test_the_property_holds_through_the_real_command(tmp_path, args):
     (line,) = proc.stderr.strip().splitlines()
     assert line.startswith("vlmprobe: ")
     assert not list(tmp_path.iterdir())
+
+
+SIZE_KEYS = ["data.batch_size", "data.lm_max_length", "model.text.vocab_size", "model.text.hidden_size",
+             "model.text.intermediate_size", "model.text.num_hidden_layers", "model.vision.num_hidden_layers",
+             "model.vision.hidden_size", "data.images_per_sample"]
+ABSURD = [["data.batch_size=1000000000000"], ["model.text.vocab_size=1000000000000"],  # the cases of issue 54
+          ["model.text.num_hidden_layers=1000000"], ["model.vision.num_hidden_layers=1000000"]]
+
+
+def test_absurd_sizes_end_within_seconds_and_bounded_memory(tmp_path):
+    """Sizes drawn far past any real model (10^6 .. 10^15), each run for real (not a dry run) on the tiny nanoVLM:
+    every one ends in one line (exit 2, a refusal naming the value) or a row that answers about memory (ok, oom),
+    within 10 s, and the process running them all stays under 1 GiB. One process runs them, so that start-up is
+    paid once; its peak memory is the kernel's count (wait4)."""
+    import json
+    import random
+    import subprocess
+    import sys
+
+    import pandas as pd
+
+    rng = random.Random(54)  # the same draws on every run
+    cases = ABSURD + [[f"{rng.choice(SIZE_KEYS)}={10 ** rng.randint(6, 15)}"] for _ in range(6)]
+    code = ("import json, sys, time\nfrom vlmprobe.cli import main\nfor case in json.loads(sys.argv[1]):\n"
+            "    started = time.perf_counter()\n"
+            f"    code = main(['model=nanovlm_tiny', *case, 'results_dir={tmp_path / 'r'}'])\n"
+            "    print(json.dumps([case, code, time.perf_counter() - started]), flush=True)\n")
+    with open(tmp_path / "out", "w") as out, open(tmp_path / "err", "w") as err:
+        proc = subprocess.Popen([sys.executable, "-c", code, json.dumps(cases)], cwd=tmp_path, stdout=out, stderr=err)
+        _, _, usage = os.wait4(proc.pid, 0)
+    ended = [json.loads(line) for line in (tmp_path / "out").read_text().splitlines() if line.startswith("[")]
+    said = (tmp_path / "err").read_text()
+    assert len(ended) == len(cases) and "Traceback" not in said, said[-3000:]
+    for case, exit_code, seconds in ended:
+        assert exit_code in (0, 2) and seconds < 10, (case, exit_code, seconds)
+    statuses = {s for csv in (tmp_path / "r").glob("*/*/results.csv") for s in pd.read_csv(csv)["status"]}
+    assert statuses <= {"ok", "oom"}, statuses  # an answer about memory, never an error row
+    assert usage.ru_maxrss < 2**20, usage.ru_maxrss  # KiB: under 1 GiB

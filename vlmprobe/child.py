@@ -1,4 +1,5 @@
-"""A child process in a process group of its own: a timeout, or a Ctrl-C of the sweep, ends it whole.
+"""A child process in a process group of its own: a timeout, or a Ctrl-C of the sweep, ends it whole; and on
+Linux it dies with the process that started it, even one killed with SIGKILL (no orphan holds a GPU).
 
 Workers and launched jobs start their own session so that killing the group reaches every process they
 started (torchrun's ranks, a worker's threads). The other side of that: the terminal's Ctrl-C reaches only
@@ -13,6 +14,7 @@ what this process has imported, it need not import again).
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import faulthandler
 import os
 import signal
@@ -20,12 +22,18 @@ import subprocess
 import sys
 import threading
 
-__all__ = ["Children", "FORKS", "kill_group", "run", "run_forked", "start", "start_forked", "while_waiting"]
+__all__ = ["Children", "FORKS", "die_with_parent", "kill_group", "run", "run_forked", "start", "start_forked",
+           "while_waiting"]
 
 
 # Where a child may be a fork of this process without exec: Linux. (macOS's system libraries are not safe to use
 # in a forked child; Windows has no fork.) Elsewhere a child is a fresh interpreter.
 FORKS = sys.platform == "linux"
+# Where a child can ask the kernel to be killed when its parent dies (prctl PR_SET_PDEATHSIG, Linux only): a
+# worker outliving a sweep killed with SIGKILL would hold its GPU until its point ends. The signal is sent when the
+# thread that started the child ends, so children are started by threads that wait for them (or the main thread).
+PARENT_DEATH_SIGNAL = signal.SIGKILL if sys.platform == "linux" else None
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 
 class Children:
@@ -77,8 +85,11 @@ def run(command: list[str], stdin: str | None, env: dict | None, timeout: float 
 
 
 def start(command: list[str], env: dict | None, children: Children | None = None) -> subprocess.Popen:
-    """`command` with pipes for stdin, stdout and stderr (text), in a session of its own; registered in
-    `children` when given (the caller discards it there once it has ended)."""
+    """`command` with pipes for stdin, stdout and stderr (text), in a session of its own, dying with this process
+    (Linux: `command` is exec'd by `python -m vlmprobe.child`, which asks for it first); registered in `children`
+    when given (the caller discards it there once it has ended)."""
+    if PARENT_DEATH_SIGNAL:
+        command = [sys.executable, "-m", "vlmprobe.child", str(os.getpid()), *command]
     proc = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env=env, start_new_session=True)
     if children is not None:
@@ -105,7 +116,8 @@ def run_forked(target, timeout: float | None) -> tuple[int | None, str, str]:
 
     files = [tempfile.TemporaryFile("w+") for _ in range(2)]  # stdout, stderr: no pipe to fill up
     ready, grouped = multiprocessing.Pipe(duplex=False)
-    proc = multiprocessing.get_context("fork").Process(target=_in_own_session, args=(target, files, grouped))
+    proc = multiprocessing.get_context("fork").Process(target=_in_own_session,
+                                                       args=(target, files, grouped, os.getpid()))
     _freeze_before_fork()
     proc.start()
     grouped.close()
@@ -146,7 +158,8 @@ def _freeze_before_fork() -> None:
     gc.freeze()
 
 
-def _in_own_session(target, files, grouped) -> None:
+def _in_own_session(target, files, grouped, parent: int) -> None:
+    die_with_parent(parent)
     os.setsid()
     grouped.send(True)
     grouped.close()
@@ -213,10 +226,12 @@ def start_forked(target, env: dict, children: Children | None = None) -> Forked:
     ends = [os.pipe() for _ in range(3)]  # stdin, stdout, stderr: (read, write) each
     grouped_r, grouped_w = os.pipe()
     _freeze_before_fork()
+    parent = os.getpid()
     pid = os.fork()
     if pid == 0:  # the child: never returns
         code = 1
         try:
+            die_with_parent(parent)
             os.setsid()
             os.close(grouped_w)  # the parent reads EOF: this child leads its own group now
             os.environ.clear()
@@ -247,7 +262,22 @@ def start_forked(target, env: dict, children: Children | None = None) -> Forked:
     return proc
 
 
+def die_with_parent(parent: int | None = None) -> None:
+    """Ask the kernel to kill this process when its parent dies (Linux; elsewhere nothing). With `parent` (the
+    pid that started it), a parent already gone before the request is caught too: this process then exits."""
+    if PARENT_DEATH_SIGNAL is None:
+        return
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, int(PARENT_DEATH_SIGNAL), 0, 0, 0)
+    if parent is not None and os.getppid() != parent:
+        os._exit(1)
+
+
 def kill_group(proc) -> None:
     """End the group `proc` leads (a Popen from start(), or run_forked's multiprocessing Process)."""
     with contextlib.suppress(ProcessLookupError):
         os.killpg(proc.pid, signal.SIGKILL)
+
+
+if __name__ == "__main__":  # start()'s shim: `python -m vlmprobe.child PARENT COMMAND...` asks, then runs COMMAND
+    die_with_parent(int(sys.argv[1]))
+    os.execvp(sys.argv[2], sys.argv[2:])

@@ -5,8 +5,8 @@ every point and runs and writes nothing.
 
 Exit codes: 0 the sweep ran (OOM points are results); 1 every point failed for a reason other than memory,
 or vlmprobe itself failed (one line, and a log file with the traceback); 2 bad input (one line on stderr,
-before any point runs and before anything is written); 130 interrupted (Ctrl-C: one line saying how many
-rows are kept, where, and the command that resumes).
+before any point runs and before anything is written); 130 interrupted (Ctrl-C), 143 terminated (SIGTERM):
+one line saying how many rows are kept, where, and the command that resumes.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import sys
 
 from vlmprobe import interrupt
 from vlmprobe.config.overrides import compose_command, composing
-from vlmprobe.errors import ConfigError, first_line, log_internal_error
+from vlmprobe.errors import ConfigError, WriteError, first_line, log_internal_error
 from vlmprobe.paths import CONF
 
 __all__ = ["main"]
@@ -43,8 +43,8 @@ def main(argv: list[str] | None = None) -> int:
             # imported here: pandas reads the rows kept, and is not imported before the first point (see below)
             from vlmprobe.run.resume import interrupted_line
 
-            say(interrupted_line(argv, state["out_dir"]))
-            return 130
+            say(interrupted_line(argv, state["out_dir"], interrupt.signal_name()))
+            return interrupt.exit_code()
 
 
 def run_guarded(argv: list[str], state: dict) -> int:
@@ -66,6 +66,9 @@ def run_guarded(argv: list[str], state: dict) -> int:
             raise KeyboardInterrupt from None
         say(f"vlmprobe: {exc}")
         return 2
+    except WriteError as exc:  # a full disk, a read-only folder: the file and the system's error, no traceback
+        say(f"vlmprobe: {exc}")
+        return 1
     except Exception as exc:
         if interrupt.received():
             raise KeyboardInterrupt from None

@@ -14,13 +14,19 @@ import tempfile
 import traceback
 from pathlib import Path
 
-__all__ = ["ConfigError", "first_line", "log_internal_error", "refused", "require_counts", "require_flags", "whole"]
+__all__ = ["ConfigError", "WriteError", "first_line", "log_internal_error", "refused", "require_counts", "require_flags",
+           "whole"]
 
 LOG_NAME = "vlmprobe-error.log"
 
 
 class ConfigError(ValueError):
     """A configuration value that is not allowed; the message names the value and what is allowed."""
+
+
+class WriteError(OSError):
+    """A results file that cannot be written (a full disk, a quota, a folder made read-only): the message names
+    the file and the system's error, and says what is kept. Not vlmprobe's fault, so no traceback is logged."""
 
 
 def require_flags(prefix: str, values: dict, keys) -> None:
@@ -54,14 +60,18 @@ def refused(setting: str, library: str, exc: BaseException) -> ConfigError:
     return ConfigError(f"{setting} is not allowed: {library} refuses it: {first_line(exc)}")
 
 
-def log_internal_error(exc: BaseException, out_dir: Path | None = None) -> Path:
+def log_internal_error(exc: BaseException, out_dir: Path | None = None) -> Path | str:
     """Write the traceback of an unexpected exception to a log file and return its path: in the results
-    dir when there is one (it belongs with the rows), else in the temp dir (bad input writes nothing)."""
+    dir when there is one (it belongs with the rows), else in the temp dir (bad input writes nothing). Where
+    neither can be written (a full disk), the words that say so instead of a path."""
     stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
-    if out_dir is not None and out_dir.is_dir():
-        path = out_dir / LOG_NAME
-    else:
-        path = Path(tempfile.gettempdir()) / f"vlmprobe-error-{stamp}-{os.getpid()}.log"
-    with path.open("a") as f:
-        f.write(f"--- {stamp}\n{''.join(traceback.format_exception(exc))}\n")
-    return path
+    temp = Path(tempfile.gettempdir()) / f"vlmprobe-error-{stamp}-{os.getpid()}.log"
+    places = ([out_dir / LOG_NAME] if out_dir is not None and out_dir.is_dir() else []) + [temp]
+    for path in places:
+        try:
+            with path.open("a") as f:
+                f.write(f"--- {stamp}\n{''.join(traceback.format_exception(exc))}\n")
+            return path
+        except OSError as error:
+            problem = error
+    return f"no file: no log could be written ({first_line(problem)})"

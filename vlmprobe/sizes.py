@@ -4,6 +4,7 @@ units, as CUDA prints them)."""
 from __future__ import annotations
 
 import re
+from decimal import Decimal
 
 from vlmprobe.errors import ConfigError
 
@@ -12,17 +13,29 @@ __all__ = ["BYTE_UNITS", "GiB", "MiB", "parse_bytes", "segment_bytes_in_message"
 BYTE_UNITS = {"B": 1, "bytes": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40}  # 1024-based, as CUDA prints
 MiB, GiB = BYTE_UNITS["MiB"], BYTE_UNITS["GiB"]
 
-_SIZE = re.compile(r"^\s*([\d.]+)\s*(B|KiB|MiB|GiB|TiB)?\s*$")
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(B|bytes|KiB|MiB|GiB|TiB)?\s*$")
+ALLOWED = "give bytes or a size like 24GiB (a number, then B, KiB, MiB, GiB or TiB)"
 
 
 def parse_bytes(value, key: str) -> int | None:
-    """An int of bytes, or a string like '24GiB' (1024-based units); None stays None."""
+    """A whole number of bytes > 0 from an int, or from text: a number (digits, optionally a decimal part) and an
+    optional 1024-based unit ('24GiB', '1.5 GiB', '4096'); None stays None. Anything else, and a size that is not
+    a whole number of bytes (0.5, 0.1GiB), is refused in one line naming the value."""
     if value is None:
         return None
+    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+        raise ConfigError(f"{key}={value!r} is not allowed: {ALLOWED}")
     match = _SIZE.match(str(value))
-    if isinstance(value, bool) or not match or float(match.group(1)) <= 0:
-        raise ConfigError(f"{key}={value!r} is not allowed: give bytes or a size like 24GiB (units B, KiB, MiB, GiB, TiB)")
-    return int(float(match.group(1)) * BYTE_UNITS[match.group(2) or "B"])
+    if not match:
+        raise ConfigError(f"{key}={value!r} is not allowed: {ALLOWED}")
+    size = Decimal(match.group(1)) * BYTE_UNITS[match.group(2) or "B"]
+    if size != size.to_integral_value():
+        whole = f"{int(size)} or {int(size) + 1}" if size > 1 else "1 or more"
+        raise ConfigError(f"{key}={value!r} is not allowed: it is {size:f} bytes, not a whole number of bytes; give "
+                          f"{whole}")
+    if size <= 0:
+        raise ConfigError(f"{key}={value!r} is not allowed: a size must be more than 0 bytes; {ALLOWED}")
+    return int(size)
 
 
 _REQUEST = re.compile(r"Tried to allocate ([\d.]+) (bytes|KiB|MiB|GiB|TiB)")

@@ -53,13 +53,27 @@ def flatten_axes(axes: Mapping, prefix: str = "") -> dict[str, list]:
         if isinstance(value, Mapping):
             flat.update(flatten_axes(value, dotted + "."))
         elif isinstance(value, (list, tuple)) and value:
-            flat[dotted] = list(value)
+            flat[dotted] = distinct(f"sweep.axes.{dotted}", list(value))
         else:
             raise ConfigError(
                 f"sweep.axes.{dotted}={value!r} is not allowed: an axis is a non-empty list of values, "
                 f"e.g. sweep.axes.{dotted}=[1,2]"
             )
     return flat
+
+
+def distinct(key: str, values: list) -> list:
+    """`values` (an axis, or the cases), refused in one line where one is given twice: each would be a point of
+    the same id, measured twice."""
+    seen = []
+    for value in values:
+        number = isinstance(value, (int, float)) and not isinstance(value, bool)
+        if any(format_value(value) == format_value(other) or (number and type(other) in (int, float) and value == other)
+               for other in seen):
+            raise ConfigError(f"{key}={values!r} is not allowed: {format_value(value)} is given twice; give each value "
+                              f"once")
+        seen.append(value)
+    return values
 
 
 def flatten_cases(cases) -> list[dict]:
@@ -69,7 +83,7 @@ def flatten_cases(cases) -> list[dict]:
         return [{}]
     if not isinstance(cases, (list, tuple)) or not cases or not all(isinstance(c, Mapping) for c in cases):
         raise ConfigError(f"sweep.cases={cases!r} is not allowed: give a non-empty list of mappings of config keys to values")
-    return [flatten_mapping(case) for case in cases]
+    return distinct("sweep.cases", [flatten_mapping(case) for case in cases])
 
 
 def flatten_mapping(mapping: Mapping, prefix: str = "") -> dict:

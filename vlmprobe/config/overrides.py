@@ -8,6 +8,7 @@ say it instead. Composition is Hydra's (`compose(overrides) -> DictConfig`); not
 from __future__ import annotations
 
 import contextlib
+import difflib
 import functools
 import re
 
@@ -18,10 +19,13 @@ from omegaconf import OmegaConf
 from vlmprobe.errors import ConfigError, first_line
 from vlmprobe.paths import CONF
 
-__all__ = ["check_group_choices", "compose_checked", "compose_command", "composing"]
+__all__ = ["OPEN_NODES", "check_additions", "check_group_choices", "compose_checked", "compose_command", "composing",
+           "resolved"]
 
 _NOT_THERE = re.compile(r"Could not override '([^']+)'")
 _ALREADY = re.compile(r"An item is already at '([^']+)'")
+# Nodes whose keys are open: a sweep's axes and cases, and submitit's own parameters (passed to it as they are).
+OPEN_NODES = ("sweep", "launcher.parameters")
 # Keys a command line may remove (~key): a named sweep's axes and cases. Every other key is read by
 # vlmprobe, so removing it is refused (set a value instead).
 REMOVABLE = ("sweep.axes.", "sweep.cases")
@@ -40,11 +44,55 @@ def composing():
 
 
 def compose_command(compose, argv: list[str]):
-    """The command line's config: each argument checked (syntax, group options) before Hydra composes it, and
-    Hydra's refusal named in one line."""
+    """The command line's config: each argument checked (syntax, group options, what a `+` adds) before Hydra
+    composes it, and Hydra's refusal named in one line."""
     check_syntax(argv)
     check_group_choices(argv)
-    return compose_checked(compose, argv)
+    cfg = compose_checked(compose, argv)
+    check_additions(compose, argv)
+    return cfg
+
+
+def check_additions(compose, argv: list[str]) -> None:
+    """A `+key=value` that adds a key vlmprobe would never read is refused in one line, with the key meant where
+    one is close (`+model.text.hidden_sise=4096` would be ignored, the model built without it). A key may be added
+    where something takes any key: under a node with a `_target_` (its constructor checks it: optimizer, model,
+    device), under OPEN_NODES, and a group chosen with + (+sweep=NAME)."""
+    added = [a for a in argv if a.startswith("+") and not a.startswith("++") and "=" in a]
+    if not added:
+        return
+    others = [a for a in argv if a not in added]
+    for arg in added:
+        key = arg[1:].split("=", 1)[0]
+        parent, _, leaf = key.rpartition(".")
+        if (not parent and (CONF / key).is_dir()) or any(f"{key}.".startswith(f"{o}.") for o in OPEN_NODES):
+            continue
+        node = _node(compose, others, parent)
+        if not isinstance(node, dict) or "_target_" in node or not node:
+            continue
+        known = sorted(k for k in node if not k.startswith("_"))
+        close = difflib.get_close_matches(leaf, known, n=1)
+        meant = f"; did you mean {parent + '.' if parent else ''}{close[0]}?" if close else ""
+        where = f"{parent} has no key {leaf!r}" if parent else f"{leaf!r} is not a config key"
+        raise ConfigError(f"{arg} is not allowed: {where}, and vlmprobe would never read it{meant} (keys there: "
+                          f"{', '.join(known)})")
+
+
+def resolved(cfg, point: str | None = None) -> dict:
+    """`cfg` as plain data with every interpolation resolved (Hydra's own node dropped); an interpolation that does
+    not resolve (${oc.env:UNSET}, a key that is not there) is one line naming its key (and the point it is in)."""
+    try:
+        data = OmegaConf.to_container(cfg, resolve=True)
+    except Exception as exc:  # omegaconf's InterpolationResolutionError and kin; full_key names the config key
+        key = getattr(exc, "full_key", None) or "the config"
+        raw = OmegaConf.to_container(cfg, resolve=False)
+        for part in key.split("."):
+            raw = raw.get(part) if isinstance(raw, dict) else None
+        where = f"{key}={raw}" if isinstance(raw, str) else key
+        in_point = f" in point {point}" if point else ""
+        raise ConfigError(f"{where} is not allowed{in_point}: it does not resolve ({first_line(exc)})") from None
+    data.pop("hydra", None)
+    return data
 
 
 def check_group_choices(args: list[str]) -> None:

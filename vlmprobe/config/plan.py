@@ -20,14 +20,14 @@ from vlmprobe.backends import cuda
 from vlmprobe.config import checks
 from vlmprobe.config.describe import describe_model, point_inputs
 from vlmprobe.config.grid import Point, expand, flatten_axes, flatten_cases
-from vlmprobe.config.overrides import check_group_choices, compose_checked, composing
+from vlmprobe.config.overrides import check_group_choices, compose_checked, composing, resolved
 from vlmprobe.distributed import options as dist_options
 from vlmprobe.distributed.deepspeed_engine import check_point
-from vlmprobe.errors import ConfigError, first_line, refused
+from vlmprobe.errors import ConfigError, refused
 from vlmprobe.models.base import DataShape
 from vlmprobe.point.build import build_spec
 
-__all__ = ["Composer", "PlannedPoint", "grid_points", "plan", "plan_overrides", "plan_point", "validate_point"]
+__all__ = ["MAX_LAYERS", "Composer", "PlannedPoint", "grid_points", "plan", "plan_overrides", "plan_point", "validate_point"]
 
 
 @dataclass
@@ -86,12 +86,7 @@ class Composer:
             cfg = self._compose_fast(point.overrides)
         except Exception:  # Hydra refuses something: compose whole for the one line that names the override
             cfg = compose_checked(self.compose, self.overrides + point.overrides)
-        try:
-            cfg = OmegaConf.to_container(cfg, resolve=True)
-        except Exception as exc:  # an interpolation that does not resolve
-            raise ConfigError(f"point {point.id} is not allowed: its config does not resolve ({first_line(exc)})") from None
-        cfg.pop("hydra", None)
-        return cfg
+        return resolved(cfg, point.id)
 
     def _compose_fast(self, point_overrides: list[str]):
         repository = GlobalHydra.instance().config_loader().repository
@@ -126,11 +121,30 @@ def validate_point(cfg: dict, point: Point) -> tuple[dict, str | None]:
                     or dist_options.skip_reason(cfg["dist"], measure["backend"]))
 
 
+MAX_LAYERS = 256  # layers a tower may have: the deepest published VLM towers have 100 or fewer
+LAYER_KEYS = ("num_hidden_layers", "depth", "num_layers")
+
+
+def check_depth(spec, model: dict) -> None:
+    """One line for a tower deeper than MAX_LAYERS, before any module is built: planning builds every layer on
+    the meta device and the estimate runs each, so 10^6 layers would take hours and gigabytes, not an answer."""
+    for tower in ("text", "vision"):
+        hyper = getattr(spec, tower, None)
+        for key in LAYER_KEYS if isinstance(hyper, dict) else ():
+            value = hyper.get(key)
+            if isinstance(value, int) and not isinstance(value, bool) and value > MAX_LAYERS:
+                where = (f"model.{tower}.{key}={value}" if "config" not in model else
+                         f"model.config={model['config']} (its {tower} {key}={value})")
+                raise ConfigError(f"{where} is not allowed: vlmprobe builds at most {MAX_LAYERS} layers a tower (the "
+                                  f"deepest published VLM towers have 100 or fewer); give at most {MAX_LAYERS}")
+
+
 def model_shapes(model: dict, data: DataShape) -> tuple[object, dict]:
     """The family's spec, and the image and video sizes and tokens it gives `data`. The data is valid by now:
     what fails here is the model's own settings (a side, a factor)."""
     try:
         spec = build_spec(model)
+        check_depth(spec, model)
         spec.validate(data)
         shapes = {"image_size": spec.image_size(data), "image_tokens": spec.image_tokens(data),
                   "video_tokens": spec.video_tokens(data)}

@@ -218,7 +218,7 @@ class CachingAllocatorModel:
             if block is None:
                 self.num_ooms += 1
                 self.last_oom = (size, alloc_size)
-                total = self.capacity if self.capacity is not None else self.allowed_maximum
+                total = next(t for t in (self.capacity, self.allowed_maximum, _ADDR_MASK) if t is not None)
                 raise torch.OutOfMemoryError(oom_message(alloc_size, total, total - self.reserved, self.allocated,
                                                          self.reserved, self.allowed_maximum))
 
@@ -369,6 +369,8 @@ class CachingAllocatorModel:
             return self._allocate_expandable(pool, size)
         if self.capacity is not None and self.reserved + alloc_size > self.capacity:
             return None  # cudaErrorMemoryAllocation
+        if self._next_addr + alloc_size > _ADDR_MASK:
+            return None  # the model's addresses run out (4 PiB, beyond any card): out of memory, as on a card
         addr = self._new_address_range(alloc_size)
         self._grow(alloc_size)
         return _Block(addr, alloc_size, None, None, pool.small)

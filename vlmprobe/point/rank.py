@@ -13,7 +13,7 @@ import os
 import sys
 from pathlib import Path
 
-from vlmprobe import backends
+from vlmprobe import backends, child
 from vlmprobe.distributed.process_group import fake_group, real_group
 from vlmprobe.point.measure import error_row, measure
 from vlmprobe.states import Status
@@ -36,6 +36,7 @@ def simulate_rank(config: dict, rank: int) -> dict:
 def run_rank(request: Path) -> int:
     """One rank of a torchrun job (in the process torchrun started): join the group, measure, write the row.
     Returns the exit code."""
+    child.die_with_parent()  # torchrun's: a job whose sweep was killed leaves no rank holding a GPU
     point = json.loads(request.read_text())
     backend = backends.get(point["measure"]["backend"])
     backend.select_device(int(os.environ["LOCAL_RANK"]))  # before the group: nccl binds to the current device

@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 from vlmprobe.paths import REPO
+from vlmprobe.results.table import replacing
 
 __all__ = ["environment", "write_env"]
 
@@ -48,4 +49,5 @@ def environment(backend_info: dict, config: dict) -> dict:
 
 
 def write_env(path: Path, info: dict) -> None:
-    path.write_text(json.dumps(info, indent=2, default=str) + "\n")
+    with replacing(path) as partial:
+        partial.write_text(json.dumps(info, indent=2, default=str) + "\n")

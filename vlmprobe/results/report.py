@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pandas as pd
 
-from vlmprobe.errors import first_line, log_internal_error
+from vlmprobe.errors import WriteError, first_line, log_internal_error
 from vlmprobe.results import finding, published
-from vlmprobe.results.table import axis_column, mib, pivot, read_table, value_text
+from vlmprobe.results.table import axis_column, mib, pivot, read_table, replacing, value_text
 from vlmprobe.sizes import GiB
 from vlmprobe.states import Status
 
@@ -36,6 +36,9 @@ def write_reports(out_dir: Path, axes: list[str], env: dict) -> tuple[pd.DataFra
     def attempt(name: str, make, default=None):
         try:
             return make()
+        except WriteError as exc:  # not vlmprobe's fault (a full disk): its line names the file, no traceback
+            failures.append(str(exc))
+            return default
         except Exception as exc:  # a report is never worth the rows: say so in one line, keep the rest
             log = log_internal_error(exc, out_dir)
             failures.append(f"{name} could not be written ({type(exc).__name__}: {first_line(exc)}); "
@@ -47,7 +50,7 @@ def write_reports(out_dir: Path, axes: list[str], env: dict) -> tuple[pd.DataFra
     matched = attempt("the comparison with the published figures", lambda: published.matches(table, columns), False)
     beside = attempt("the comparison with the published figures",
                      lambda: published_markdown(out_dir, table), "") if matched else ""
-    attempt("summary.md", lambda: (out_dir / "summary.md").write_text(summary_markdown(shown, axes, env, beside)))
+    attempt("summary.md", lambda: write_text(out_dir / "summary.md", summary_markdown(shown, axes, env, beside)))
     if len(table):
         overlay = dict(capacity_bytes=published.DEVICE_BYTES, capacity_label=f"{published.DEVICE} capacity",
                        reference=published.load(), reference_label=f"published ({published.DEVICE})")
@@ -58,12 +61,19 @@ def write_reports(out_dir: Path, axes: list[str], env: dict) -> tuple[pd.DataFra
 def write_parquet(table: pd.DataFrame, path: Path) -> None:
     """The typed table; if pyarrow cannot type a column (numbers and names in one swept column), the
     columns of mixed cells are written as text rather than losing the file."""
-    try:
-        table.to_parquet(path, index=False)
-    except (TypeError, ValueError):  # pyarrow's ArrowTypeError / ArrowInvalid
-        mixed = {c: table[c].map(lambda v: None if pd.isna(v) else str(v)) for c in table.columns
-                 if table[c].dtype == object}
-        table.assign(**mixed).to_parquet(path, index=False)
+    with replacing(path) as partial:
+        try:
+            table.to_parquet(partial, index=False)
+        except (TypeError, ValueError):  # pyarrow's ArrowTypeError / ArrowInvalid
+            mixed = {c: table[c].map(lambda v: None if pd.isna(v) else str(v)) for c in table.columns
+                     if table[c].dtype == object}
+            table.assign(**mixed).to_parquet(partial, index=False)
+
+
+def write_text(path: Path, text: str) -> None:
+    """A text file written whole or not at all (`replacing`)."""
+    with replacing(path) as partial:
+        partial.write_text(text)
 
 
 def cell_text(value) -> str:
@@ -320,7 +330,8 @@ def plot(table: pd.DataFrame, axes: list[str], path: Path, capacity_bytes: int |
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8, loc="upper left")
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    with replacing(path) as partial:
+        fig.savefig(partial, dpi=120)
     plt.close(fig)
 
 
@@ -348,5 +359,6 @@ def bar_plot(table: pd.DataFrame, columns: list[str], path: Path, capacity_bytes
     ax.set_title(f"{table['sweep'].iloc[0]}: {table['model'].iloc[0]}, {backends}")
     ax.grid(alpha=0.3, axis="x")
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    with replacing(path) as partial:
+        fig.savefig(partial, dpi=120)
     plt.close(fig)

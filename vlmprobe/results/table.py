@@ -6,18 +6,23 @@ the backend cannot know, never zero). Reports show MiB/GiB, 1024-based.
 
 from __future__ import annotations
 
+import contextlib
 import csv
+import io
+import itertools
 import os
+import re
 from pathlib import Path
 
 import pandas as pd
 
+from vlmprobe.errors import WriteError, first_line
 from vlmprobe.sizes import MiB
 from vlmprobe.states import Status
 
-__all__ = ["axis_column", "columns_for", "gpu_check_runs", "INPUT_COLUMNS", "mib", "pivot", "RANK_COLUMNS",
-           "RANK_VALUE_COLUMNS", "read_results_dir", "read_table", "RowWriter", "SUPERSEDED", "superseded",
-           "value_text"]
+__all__ = ["axis_column", "columns_for", "gpu_check_runs", "INPUT_COLUMNS", "integer_column", "mib", "pivot",
+           "RANK_COLUMNS", "RANK_VALUE_COLUMNS", "read_results_dir", "read_table", "repair", "replacing", "RowWriter", "SUPERSEDED",
+           "superseded", "value_text", "write_atomically"]
 
 INPUT_COLUMNS = [
     "sweep", "point_id", "case", "model", "model_source", "params", "trainable_params", "dtype", "autocast_dtype", "optimizer",
@@ -88,13 +93,17 @@ def value_text(value, missing: str) -> str:
 class RowWriter:
     """Appends one CSV row per finished point and flushes it to disk at once, so a sweep killed at any
     moment keeps every row it finished. On resume it keeps the existing header, extended by any column this
-    version writes that the file's older version did not (its rows get them empty)."""
+    version writes that the file's older version did not (its rows get them empty), and first sets aside the rows
+    it cannot trust (`repair`: `problems` says which), so that no damaged line can swallow a row appended after it.
+    `key`: the columns that name a row (a second row of one key is set aside)."""
 
-    def __init__(self, path: Path, columns: list[str]):
+    def __init__(self, path: Path, columns: list[str], key: tuple[str, ...] = ("point_id",)):
         self.path = path
+        self.problems: list[str] = []
         if path.exists():
             drop_cut_line(path)  # a kill mid-header leaves nothing: the header is written again below
         if path.exists() and path.stat().st_size:
+            self.problems = repair(path, key)
             with path.open(newline="") as f:
                 existing = next(csv.reader(f))
             added = [c for c in columns if c not in existing]
@@ -110,10 +119,14 @@ class RowWriter:
         unknown = set(row) - set(self.columns)
         if unknown:
             raise ValueError(f"row has columns the results file does not: {sorted(unknown)}")
-        with self.path.open("a", newline="") as f:
-            csv.DictWriter(f, self.columns).writerow(row)
-            f.flush()
-            os.fsync(f.fileno())
+        try:
+            with self.path.open("a", newline="") as f:
+                csv.DictWriter(f, self.columns).writerow(row)
+                f.flush()
+                os.fsync(f.fileno())
+        except OSError as exc:  # a row cut short by it is dropped when the file is next opened (drop_cut_line)
+            raise WriteError(f"{self.path} could not be written ({first_line(exc)}); the rows written before this "
+                             f"one are kept in it, and the sweep stops here") from exc
 
 
 def widen(path: Path, columns: list[str]) -> None:
@@ -121,14 +134,93 @@ def widen(path: Path, columns: list[str]) -> None:
     row kept; written beside it and renamed over it, so a kill midway leaves the old file whole."""
     with path.open(newline="") as f:
         rows = list(csv.DictReader(f))
-    partial = path.with_name(path.name + ".widening")
-    with partial.open("w", newline="") as f:
+
+    def write(f) -> None:
         writer = csv.DictWriter(f, columns)
         writer.writeheader()
         writer.writerows(rows)
+
+    write_atomically(path, write)
+
+
+def integer_column(name: str) -> bool:
+    """Whether a column holds a whole number or nothing: byte figures and counts."""
+    return name.endswith("_bytes") or name in ("params", "trainable_params", "num_alloc_retries", "num_ooms")
+
+
+_INTEGER = re.compile(r"^-?\d+(\.0*)?$")
+STATUSES = {str(s) for s in Status}
+
+
+def damage(record: list[str], header: list[str], seen: set, key: tuple[int, ...]) -> str | None:
+    """Why a CSV record cannot be kept as a row under `header`, or None: bytes that are not UTF-8, a field too
+    many or too few (a quote left open swallows what follows it), a status that is none, a byte figure or count
+    that is not a whole number, a second row of a key already seen (`seen` takes the keys kept)."""
+    if any("\ufffd" in field for field in record):
+        return "it holds bytes that are not UTF-8 text"
+    if len(record) != len(header):
+        return f"it has {len(record)} fields, the header {len(header)} (a quote left open, or a cut line)"
+    row = dict(zip(header, record))
+    if "status" in row and row["status"] not in STATUSES:
+        return f"its status {row['status'][:40]!r} is none of {', '.join(sorted(STATUSES))}"
+    for name, value in row.items():
+        if integer_column(name) and value and not _INTEGER.match(value):
+            return f"its {name} {value[:40]!r} is not a whole number"
+    named = tuple(record[i] for i in key)
+    if named in seen:
+        return f"it is a second row for {', '.join(named)}"
+    seen.add(named)
+    return None
+
+
+def repair(path: Path, key: tuple[str, ...]) -> list[str]:
+    """Keep in `path` only the rows that can be trusted (`damage`); one line per row set aside. The file as it
+    was is kept whole beside it (<name>.damaged), and the cleaned file written beside it and renamed over it, so
+    nothing is lost and no half file is left."""
+    data = path.read_bytes()
+    reader = csv.reader(io.StringIO(data.decode("utf-8", errors="replace"), newline=""))
+    header = next(reader, [])
+    at = {name: i for i, name in enumerate(header)}
+    key_index = tuple(at[k] for k in key if k in at)
+    kept, problems, seen, line = [], [], set(), reader.line_num
+    for record in reader:
+        why = damage(record, header, seen, key_index)
+        if why:
+            problems.append(f"{path.name} line {line + 1}: {why}; set aside, its point runs again")
+        else:
+            kept.append(record)
+        line = reader.line_num
+    if not problems:
+        return []
+    aside = path.with_name(path.name + ".damaged")
+    aside = next(p for n in itertools.count() if not (p := aside.with_name(aside.name + (f".{n}" if n else ""))).exists())
+    aside.write_bytes(data)
+    write_atomically(path, lambda f: csv.writer(f).writerows([header, *kept]))
+    return problems + [f"{path.name} as it was is kept in {aside.name}"]
+
+
+@contextlib.contextmanager
+def replacing(path: Path):
+    """A path beside `path` (its suffix kept, for writers that read it) to write the file to, renamed over `path`
+    once the block ends without an error, removed otherwise: a failing disk or a kill midway leaves the old file
+    whole, and never a half file under `path`. A failure is a WriteError naming `path`."""
+    partial = path.with_name(f"{path.stem}.partial{path.suffix}")
+    try:
+        yield partial
+        os.replace(partial, path)
+    except OSError as exc:
+        raise WriteError(f"{path} could not be written ({first_line(exc)}); nothing of it was left half written") \
+            from exc
+    finally:
+        partial.unlink(missing_ok=True)
+
+
+def write_atomically(path: Path, write) -> None:
+    """`write(file)` into a file beside `path`, flushed to disk, then renamed over `path` (`replacing`)."""
+    with replacing(path) as partial, partial.open("w", newline="") as f:
+        write(f)
         f.flush()
         os.fsync(f.fileno())
-    os.replace(partial, path)
 
 
 def drop_cut_line(path: Path) -> None:
@@ -144,7 +236,7 @@ def read_table(path: Path) -> pd.DataFrame:
     kill mid-write is dropped."""
     table = pd.read_csv(path, on_bad_lines="skip", engine="python")
     for column in table.columns:
-        if column.endswith("_bytes") or column in ("params", "trainable_params", "num_alloc_retries", "num_ooms"):
+        if integer_column(column):
             table[column] = pd.to_numeric(table[column], errors="coerce").astype("Int64")
     return table.dropna(subset=["status"])
 

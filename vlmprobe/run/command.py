@@ -8,6 +8,7 @@ input (ConfigError, raised before any point runs and before anything is written)
 from __future__ import annotations
 
 import datetime
+import itertools
 import sys
 import time
 from pathlib import Path
@@ -17,14 +18,15 @@ from omegaconf import OmegaConf
 from vlmprobe import backends
 from vlmprobe.config.checks import check_top_level
 from vlmprobe.config.grid import flatten_axes, flatten_cases
+from vlmprobe.config.overrides import resolved
 from vlmprobe.config.plan import Composer, PlannedPoint, grid_points, plan, plan_point
 from vlmprobe.errors import ConfigError
 from vlmprobe.results.provenance import environment, write_env
 from vlmprobe.results.report import write_reports
-from vlmprobe.results.table import columns_for
+from vlmprobe.results.table import columns_for, replacing
 from vlmprobe.run import launchers
 from vlmprobe.run.max_batch import MaxBatchSearch
-from vlmprobe.run.resume import check_resume
+from vlmprobe.run.resume import check_resume, locked
 from vlmprobe.run.sweep import Runner, run_point
 from vlmprobe.run.workers import describe_backend
 from vlmprobe.states import Status
@@ -41,8 +43,7 @@ def say(line: str) -> None:
 def run(cfg, overrides: list[str], compose, state: dict) -> int:
     """The command for its composed config `cfg`; `state["out_dir"]` is where rows go, once there is such a
     place (the caller names it if the command is interrupted)."""
-    base = OmegaConf.to_container(cfg, resolve=True)
-    base.pop("hydra", None)
+    base = resolved(cfg)
     check_top_level(base)
     backend, note = backends.resolve(base["measure"]["backend"])
     launchers.check(base["launcher"], backend)
@@ -66,11 +67,19 @@ def run_planned(base: dict, backend: str, note: str | None, overrides: list[str]
         return 0
     axes, columns = table_axes(base, search is not None)
     out_dir = results_dir(base, state)
+    with locked(out_dir):
+        return run_in(out_dir, planned, search, base, backend, what, axes, columns, overrides)
+
+
+def run_in(out_dir: Path, planned: list, search, base: dict, backend: str, what: str, axes: list[str],
+           columns: list[str], overrides: list[str]) -> int:
+    """run_planned() in its results dir, held (resume.locked): the rows, then the tables."""
+    runner = Runner(out_dir, columns)
+    runner.check_kept(planned)
     say(f"vlmprobe: {what}, backend {backend}, results in {out_dir}")
     env = {**environment(describe_backend(backend, planned[0].config), base), "overrides": overrides}
     if not (out_dir / "env.json").exists():
         write_env(out_dir / "env.json", env)
-    runner = Runner(out_dir, columns)
     interrupted = None
     try:
         if search:
@@ -111,18 +120,22 @@ def results_dir(base: dict, state: dict) -> Path:
         state["out_dir"] = out_dir
         return out_dir
     stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
-    out_dir = Path(base["results_dir"]) / base["sweep"]["name"] / stamp
-    try:
-        out_dir.mkdir(parents=True, exist_ok=False)
-    except OSError as exc:
-        raise ConfigError(f"results_dir={base['results_dir']} is not allowed: {out_dir} cannot be made there "
-                          f"({exc.strerror}); give a directory you can write") from None
+    sweep_dir = Path(base["results_dir"]) / base["sweep"]["name"]
+    for n in itertools.count(1):  # two sweeps started in the same second get a folder each
+        out_dir = sweep_dir / (stamp if n == 1 else f"{stamp}-{n}")
+        try:
+            out_dir.mkdir(parents=True, exist_ok=False)
+            break
+        except FileExistsError:
+            continue
+        except OSError as exc:
+            raise ConfigError(f"results_dir={base['results_dir']} is not allowed: {out_dir} cannot be made there "
+                              f"({exc.strerror}); give a directory you can write") from None
     # Known before its config exists, so that a Ctrl-C from here on is told about the dir (interrupted_line
     # removes it while it has no config.yaml); the config appears whole or not at all
     state["out_dir"] = out_dir
-    partial = out_dir / "config.yaml.partial"
-    partial.write_text(OmegaConf.to_yaml(OmegaConf.create({k: v for k, v in base.items() if k != "resume"})))
-    partial.replace(out_dir / "config.yaml")
+    with replacing(out_dir / "config.yaml") as partial:
+        partial.write_text(OmegaConf.to_yaml(OmegaConf.create({k: v for k, v in base.items() if k != "resume"})))
     return out_dir
 
 

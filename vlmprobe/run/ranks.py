@@ -26,6 +26,8 @@ from vlmprobe.results.table import RANK_COLUMNS, RANK_VALUE_COLUMNS, RowWriter
 from vlmprobe.run.torchrun import launch
 from vlmprobe.states import Status
 
+RANK_KEY = ("point_id", "rank")  # what names a row of ranks.csv
+
 __all__ = ["RankWriter", "point_row", "rank_groups", "run_ranks", "shard_signature", "simulate_elsewhere"]
 
 
@@ -145,10 +147,11 @@ class RankWriter:
 
     def __init__(self, out_dir: Path):
         self.path = out_dir / "ranks.csv"
-        self.writer = None
+        self.writer = RowWriter(self.path, RANK_COLUMNS, RANK_KEY) if self.path.exists() else None
+        self.problems = self.writer.problems if self.writer else []  # rows a resume set aside (RowWriter)
 
     def append(self, point_id: str, rank_rows: list[dict]) -> None:
         if self.writer is None:
-            self.writer = RowWriter(self.path, RANK_COLUMNS)
+            self.writer = RowWriter(self.path, RANK_COLUMNS, RANK_KEY)
         for row in rank_rows:
             self.writer.append({"point_id": point_id, **row})

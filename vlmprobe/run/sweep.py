@@ -6,19 +6,22 @@ killed at any moment keeps every finished row, and a resumed one skips the point
 from __future__ import annotations
 
 import hashlib
+import math
 import sys
 from pathlib import Path
 
+import numpy as np
 from tqdm import tqdm
 
 from vlmprobe import interrupt
+from vlmprobe.errors import ConfigError
 from vlmprobe.point.measure import error_row, measure
 from vlmprobe.results.table import RowWriter, mib, read_table
 from vlmprobe.run.ranks import RankWriter, run_ranks
 from vlmprobe.run.workers import call_worker, isolated, worker_env
 from vlmprobe.states import Status
 
-__all__ = ["Runner", "run_point"]
+__all__ = ["Runner", "run_point", "same"]
 
 
 def run_point(config: dict) -> dict:
@@ -41,13 +44,28 @@ class Runner:
         self.out_dir = out_dir
         csv_path = out_dir / "results.csv"
         self.writer = RowWriter(csv_path, columns)
+        self.ranks = RankWriter(out_dir)
+        for problem in self.writer.problems + self.ranks.problems:
+            tqdm.write(f"vlmprobe: resume: {problem}", file=sys.stderr)
         table = read_table(csv_path)
         self.done = {row["point_id"]: row for row in table.astype(object).where(table.notna(), None).to_dict("records")}
         self.statuses: list[str] = []  # of the points run here, not of the resumed ones
-        self.ranks = RankWriter(out_dir)
+
+    def check_kept(self, planned: list) -> None:
+        """Refuse, in one line, a folder whose rows are not these points': a kept row must have the input columns
+        of the planned point of its id (another model, another batch under the same id would mix two sweeps)."""
+        for item in planned:
+            kept = self.done.get(item.point.id)
+            differs = [(k, kept[k], v) for k, v in item.inputs.items() if kept and k in kept and not same(kept[k], v)]
+            if differs:
+                column, was, now = differs[0]
+                raise ConfigError(f"resume={self.out_dir} is not allowed: its row for point {item.point.id} has "
+                                  f"{column}={was!r} where this sweep plans {now!r}; its rows are another sweep's "
+                                  f"(resume it with the command that made it, or start a new one)")
 
     def run(self, item) -> dict:
         if item.point.id in self.done:
+            self.check_kept([item])
             return self.done[item.point.id]
         outputs = {"status": Status.SKIPPED, "error": item.skip} if item.skip else run_point(self.with_snapshot_file(item))
         if interrupt.received():  # Ctrl-C struck inside the point and a library turned it into a failure
@@ -74,3 +92,20 @@ class Runner:
         name = hashlib.sha1(item.point.id.encode()).hexdigest()[:12]
         measure = {**item.config["measure"], "snapshot_file": str(self.out_dir / "snapshots" / f"{name}.pickle")}
         return {**item.config, "measure": measure}
+
+
+def same(kept, planned) -> bool:
+    """Whether a value read back from results.csv (pandas' types: NaN for nothing, floats in a column with an
+    empty cell, numpy scalars) is the value a planned point has in that column."""
+    if kept is None or (isinstance(kept, float) and math.isnan(kept)):
+        return planned is None
+    if planned is None:
+        return False
+    if isinstance(planned, bool) or isinstance(kept, (bool, np.bool_)):
+        return str(kept).lower() == str(planned).lower()
+    if isinstance(planned, (int, float)):
+        try:
+            return float(kept) == float(planned)
+        except (TypeError, ValueError):
+            return False
+    return str(kept) == str(planned)
