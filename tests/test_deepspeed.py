@@ -333,3 +333,61 @@ def test_lora_on_fused_experts_stops_at_deepspeeds_tracing_error_where_they_exce
     assert {b: r["status"] for b, r in rows.items()} == {"cpu": status, "estimate": status}
     if status == "error":
         assert all(r["error"].startswith("rank 0: RuntimeError: tracing error at step") for r in rows.values())
+
+
+# The ZeRO JSONs the frameworks ship, as data: the keys that reach DeepSpeed, "auto" where the file says so (HF
+# Trainer fills those in from the run). Read from ms-swift swift/llm/ds_config/zero2.json, zero3.json (commit
+# 35992c1), LLaMA-Factory examples/deepspeed/ds_z2_config.json, ds_z3_config.json (1d6e8b2) and TRL
+# examples/deepspeed_configs/zero2.json, zero3.json (a6a2d68).
+FP16_AUTO = {"enabled": "auto", "loss_scale": 0, "loss_scale_window": 1000, "initial_scale_power": 16, "hysteresis": 2,
+             "min_loss_scale": 1}
+BATCH_AUTO = {"train_batch_size": "auto", "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
+              "gradient_clipping": "auto"}
+STAGE3_AUTO = {"reduce_bucket_size": "auto", "stage3_prefetch_bucket_size": "auto",
+               "stage3_param_persistence_threshold": "auto", "stage3_max_live_parameters": 1e9,
+               "stage3_max_reuse_distance": 1e9, "stage3_gather_16bit_weights_on_model_save": True}
+SHIPPED_ZERO = {
+    "ms-swift zero3": {**BATCH_AUTO, "fp16": FP16_AUTO, "bf16": {"enabled": "auto"}, "steps_per_print": 2000,
+                       "wall_clock_breakdown": False,
+                       "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "none", "pin_memory": True},
+                                             "offload_param": {"device": "none", "pin_memory": True},
+                                             "overlap_comm": True, "contiguous_gradients": True, "sub_group_size": 1e9,
+                                             "zero_quantized_weights": False, "zero_quantized_gradients": False,
+                                             **STAGE3_AUTO}},
+    "LLaMA-Factory ds_z3": {**BATCH_AUTO, "zero_allow_untested_optimizer": True, "fp16": FP16_AUTO,
+                            "bf16": {"enabled": "auto"},
+                            "zero_optimization": {"stage": 3, "overlap_comm": False, "contiguous_gradients": True,
+                                                  "sub_group_size": 1e9, **STAGE3_AUTO},
+                            "comms_config": {"verbose": False},
+                            "monitor_config": {"enabled": True, "tag": "DeepSpeedMonitor",
+                                               "csv_monitor": {"enabled": False}}},
+    "TRL zero3": {**BATCH_AUTO, "bf16": {"enabled": "auto"},
+                  "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "none"},
+                                        "offload_param": {"device": "none"},
+                                        "stage3_gather_16bit_weights_on_model_save": True}},
+    "LLaMA-Factory ds_z2": {**BATCH_AUTO, "zero_allow_untested_optimizer": True, "fp16": FP16_AUTO,
+                            "bf16": {"enabled": "auto"},
+                            "zero_optimization": {"stage": 2, "allgather_partitions": True, "allgather_bucket_size": 5e8,
+                                                  "overlap_comm": False, "reduce_scatter": True,
+                                                  "reduce_bucket_size": 5e8, "contiguous_gradients": True,
+                                                  "round_robin_gradients": True}},
+    "TRL zero2": {**BATCH_AUTO, "bf16": {"enabled": "auto"},
+                  "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "none"}}},
+}
+
+
+@pytest.mark.slow  # 15 DeepSpeed points, ~3 min
+@pytest.mark.parametrize("world", [1, 4, 8])
+@pytest.mark.parametrize("name", SHIPPED_ZERO)
+def test_the_zero_jsons_the_frameworks_ship_run_at_every_world_size(point, tmp_path, name, world):
+    # ZeRO-3's "auto" batch sizes are filled in for the whole job: zero.Init checks them against the world size it
+    # reads from deepspeed.comm, which must have adopted the job's group first (it did not: "16 != 4 * 1 * 1")
+    pytest.importorskip("deepspeed")
+    path = tmp_path / "zero.json"
+    path.write_text(json.dumps(SHIPPED_ZERO[name]))
+    stage = SHIPPED_ZERO[name]["zero_optimization"]["stage"]
+    outputs = run_dist(point, ["model=nanovlm_tiny", "data.batch_size=2", "data.lm_max_length=64", f"dist=zero{stage}",
+                               f"dist.world_size={world}", f"dist.deepspeed_config={path}", "train.param_dtype=bfloat16",
+                               "train.autocast_dtype=null", "measure.backend=estimate"])
+    assert outputs["status"] == "ok", outputs.get("error")
+    assert len(outputs["ranks"]) == world

@@ -193,6 +193,10 @@ class DeepSpeedEngine(Engine):
             import transformers.modeling_utils  # noqa: F401  imported under zero.Init's torch.Tensor.__new__, it fails
             from transformers.integrations.deepspeed import prevent_arange_dtype_change
 
+            # deepspeed.comm adopts the job's group first, as HF's TrainingArguments do (deepspeed.init_distributed in
+            # _setup_devices) before from_pretrained: zero.Init reads its config's world size from it, and with
+            # none (1) a user's JSON whose batch sizes are "auto" (filled in for the whole job) fails its check
+            deepspeed.init_distributed(dist_init_required=False)
             with prevent_arange_dtype_change(), deepspeed.zero.Init(config_dict_or_path=self.config):
                 model = spec.build(self.device, dtype, init=False)
             rank = torch_dist.get_rank()
