@@ -183,8 +183,25 @@ def test_an_optimizer_whose_package_is_missing_is_skipped_with_the_reason(plan_p
 
     if importlib.util.find_spec("bitsandbytes") is not None:
         pytest.skip("bitsandbytes is installed")
-    (planned,) = plan_points(BASE + ["optimizer=adamw_8bit"])
+    (planned,) = plan_points([*BASE[:-1], "measure.backend=cpu", "optimizer=adamw_8bit"])  # the cpu backend runs it
     assert planned.skip.startswith("bitsandbytes.optim.AdamW8bit cannot be imported here (No module named 'bitsandbytes')")
+
+
+def test_8bit_adamw_on_the_estimate_keeps_uint8_moments_and_a_float32_maximum_per_256_elements(run, compose):
+    # by hand, from the trainable tensors' sizes and bitsandbytes 0.50's rule: under 4096 elements two float32
+    # moments; else two uint8 moments, a float32 maximum per block of 256 for each, and the two 256-entry float32
+    # quantization maps, which every such tensor's state holds (and the row counts where held, as CUDA's would)
+    spec = instantiate(compose(["model=nanovlm_tiny"]).model, _convert_="all")
+    sizes = [p.numel() for p in spec.build("meta", torch.float32, init=False).parameters()]
+    hand = sum(8 * n if n < 4096 else 2 * n + 2 * 4 * -(-n // 256) + 2 * 4 * 256 for n in sizes)
+    inputs, row = run("optimizer=adamw_8bit")
+    assert row["status"] == "ok" and inputs["optimizer"] == "AdamW8bit"
+    assert row["optimizer_state_bytes"] == hand and row["optimizer_state_dtype"] == "float32,uint8"
+    assert any(n >= 4096 for n in sizes) and any(n < 4096 for n in sizes)  # both rules are met
+    assert "AdamW8bit modelled by a stand-in" in row["notes"]
+    _, adamw = run()
+    assert row["optimizer_state_bytes"] < adamw["optimizer_state_bytes"]
+    assert row["peak_allocated_bytes"] < adamw["peak_allocated_bytes"]
 
 
 def test_grad_accumulation_keeps_the_micro_batch_activations_and_records_the_effective_batch(run):

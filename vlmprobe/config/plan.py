@@ -16,6 +16,7 @@ from hydra.core.global_hydra import GlobalHydra
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from omegaconf import OmegaConf
 
+from vlmprobe import quantization
 from vlmprobe.backends import cuda
 from vlmprobe.config import checks
 from vlmprobe.config.describe import describe_model, point_inputs
@@ -112,6 +113,7 @@ def validate_point(cfg: dict, point: Point) -> tuple[dict, str | None]:
     spec, shapes = model_shapes(cfg["model"], data)
     dist_options.validate(cfg["dist"], measure["backend"], cfg.get("find"), cuda.device_count)
     step = checks.check_step(cfg, data, spec)
+    cfg["optimizer"] = quantization.optimizer_for(cfg["optimizer"], measure["backend"])
     described, skip, trainable = describe_model(*(json.dumps(cfg[k], sort_keys=True)
                                                   for k in ("model", "train", "optimizer")))
     if cfg["dist"]["name"] in dist_options.DEEPSPEED_ENGINES:

@@ -147,7 +147,7 @@ def ran_out(backend, meter, report: StepReport, out: dict, message: str) -> None
 
 def read_figures(backend, meter, point: dict, card, report: StepReport, out: dict) -> None:
     """The row's figures from the report and the backend, its notes, and its snapshot where one is written."""
-    meter.notes.extend(quantization.notes(point["train"], backend.name))
+    meter.notes.extend(quantization.notes(point["train"], backend.name) + quantization.optimizer_notes(point["optimizer"]))
     out.update(report_columns(report))
     out["imposed_capacity_bytes"] = meter.capacity
     out.update(backend.final_stats(meter))

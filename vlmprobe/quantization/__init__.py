@@ -7,7 +7,8 @@ and the projector's linear layers are quantized too. Knobs that change memory: t
 the compute dtype. TRL 1.x's trainers no longer call peft's prepare_model_for_kbit_training, so vlmprobe does not
 either: the rest of the model stays in train.param_dtype.
 backend cuda / cpu: the real bitsandbytes modules (vlmprobe.quantization.bnb_real); estimate: stand-ins that
-allocate what bitsandbytes' CUDA path allocates (vlmprobe.quantization.bnb_standin).
+allocate what bitsandbytes' CUDA path allocates (vlmprobe.quantization.bnb_standin), and optimizer=adamw_8bit's
+(vlmprobe.quantization.adamw8bit_standin).
 """
 
 from __future__ import annotations
@@ -18,9 +19,10 @@ from torch import nn
 
 from vlmprobe.errors import ConfigError
 from vlmprobe.models.base import is_transformers_model
-from vlmprobe.quantization import bnb_real, bnb_standin
+from vlmprobe.quantization import adamw8bit_standin, bnb_real, bnb_standin
 
-__all__ = ["freeze_quantized", "layers_to_quantize", "notes", "quantize", "skip_reason", "validate"]
+__all__ = ["freeze_quantized", "layers_to_quantize", "notes", "optimizer_for", "optimizer_notes", "quantize", "skip_reason",
+           "validate"]
 
 TYPES = ("nf4", "int8")
 COMPUTE_DTYPES = ("bfloat16", "float16", "float32")
@@ -93,3 +95,18 @@ def notes(train: dict, backend: str) -> list[str]:
     if not train.get("quantization") or backend != "estimate":
         return []
     return bnb_standin.notes()
+
+
+def optimizer_for(optimizer: dict, backend: str) -> dict:
+    """The optimizer config a point runs: on the estimate, bitsandbytes' 8-bit AdamW is its stand-in
+    (vlmprobe.quantization.adamw8bit_standin: the same state, allocated as on CUDA; bitsandbytes is not needed)."""
+    target = adamw8bit_standin.TARGETS.get(optimizer.get("_target_")) if backend == "estimate" else None
+    return {**optimizer, "_target_": target} if target else optimizer
+
+
+def optimizer_notes(optimizer: dict) -> list[str]:
+    """What a row should say of an optimizer the estimate ran a stand-in of."""
+    if optimizer.get("_target_") not in adamw8bit_standin.TARGETS.values():
+        return []
+    return ["bitsandbytes' AdamW8bit modelled by a stand-in (uint8 moments, a float32 maximum per 256 elements, float32 "
+            "moments under 4096 elements, as bitsandbytes 0.50 allocates them)"]
