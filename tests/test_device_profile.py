@@ -76,10 +76,21 @@ def test_the_profile_of_a_card_is_found_by_the_name_torch_gives_it(name, key):
     assert device_profile.key_of_card(name) == key
 
 
-def test_nothing_is_predicted_without_a_card_or_where_its_context_is_not_known():
-    assert device_profile.predicted_device_bytes(1000 * MiB, None) is None
-    assert device_profile.load("a100_80gb").cuda_context_bytes is None
-    assert device_profile.predicted_device_bytes(1000 * MiB, device_profile.load("a100_80gb")) is None
+def test_a_card_without_a_known_context_takes_the_one_measured_on_the_h100_and_says_so():
+    assert device_profile.predicted_device_bytes(1000 * MiB, None) is None  # no card, nothing to predict
+    a100, h100 = device_profile.load("a100_80gb"), device_profile.load("h100_80gb")
+    assert a100.cuda_context_bytes is None
+    # the assumed context is the measured one of conf/device/h100_80gb.yaml, not a figure of its own
+    assert device_profile.predicted_device_bytes(1000 * MiB, a100) == 1000 * MiB + h100.cuda_context_bytes
+    assert "assumes a CUDA context of 760 MiB" in device_profile.context_note(a100)
+    assert device_profile.context_note(h100) is None and device_profile.context_note(None) is None
+
+
+def test_every_card_profile_yields_predicted_device_bytes():
+    for path in sorted((CONF / "device").glob("*.yaml")):
+        card = device_profile.load(path.stem)
+        if card is not None:
+            assert device_profile.predicted_device_bytes(0, card) >= 256 * MiB, path.stem
 
 
 @pytest.mark.parametrize("card_dir, profile", [("nvidia-h100-80gb-hbm3", "h100_80gb"), ("nvidia-h200", "h200")])

@@ -20,8 +20,8 @@ from vlmprobe.errors import ConfigError, refused
 from vlmprobe.paths import CONF
 from vlmprobe.sizes import GiB, parse_bytes
 
-__all__ = ["build", "capacity", "check", "DeviceProfile", "from_config", "key_of_card", "load", "name_note",
-           "predicted_device_bytes", "workspace_blocks"]
+__all__ = ["ASSUMED_CONTEXT_BYTES", "build", "capacity", "check", "context_bytes", "context_note", "DeviceProfile",
+           "from_config", "key_of_card", "load", "name_note", "predicted_device_bytes", "workspace_blocks"]
 
 SDPA_BACKENDS = ("flash", "efficient", "cudnn", "math")
 
@@ -197,10 +197,30 @@ def workspace_blocks(profile: DeviceProfile | None) -> tuple[int, ...]:
                                                  if profile.cublaslt_workspace_bytes else ())
 
 
+# The CUDA context taken for a card whose profile does not know its own: the one vlmprobe measured on an H100 80GB
+# HBM3 and an H200 (conf/device/h100_80gb.yaml: torch 2.11.0+cu130, driver 580). Cards with fewer SMs or an older
+# CUDA hold less (a bare context on an RTX 3090: 256 MiB), so the prediction errs on the side of not fitting.
+ASSUMED_CONTEXT_BYTES = 796_917_760
+
+
+def context_bytes(profile: DeviceProfile) -> int:
+    """The card's CUDA context: its profile's, else ASSUMED_CONTEXT_BYTES (context_note says so on the row)."""
+    return profile.cuda_context_bytes if profile.cuda_context_bytes is not None else ASSUMED_CONTEXT_BYTES
+
+
+def context_note(profile: DeviceProfile | None) -> str | None:
+    """The row's note where predicted_device_bytes took the assumed context; None where the profile has its own."""
+    if profile is None or profile.cuda_context_bytes is not None:
+        return None
+    return (f"predicted_device_bytes assumes a CUDA context of {ASSUMED_CONTEXT_BYTES / 2**20:.0f} MiB (measured on an "
+            f"H100 and an H200, torch 2.11 / CUDA 13); the {profile.name}'s is not known: set "
+            f"device.cuda_context_bytes (a cuda row's nvml_process_bytes - peak_reserved_bytes)")
+
+
 def predicted_device_bytes(peak_reserved: int | None, profile: DeviceProfile | None) -> int | None:
     """What the card would show in use at the peak (nvidia-smi's figure for the process): the allocator model's
-    peak reserved bytes (the cuBLAS workspaces are blocks of it) and the CUDA context (outside the allocator).
-    None without a profile or where the profile does not know the context."""
-    if profile is None or profile.cuda_context_bytes is None or peak_reserved is None:
+    peak reserved bytes (the cuBLAS workspaces are blocks of it) and the CUDA context (outside the allocator; the
+    assumed one where the profile has none). None without a profile."""
+    if profile is None or peak_reserved is None:
         return None
-    return peak_reserved + profile.cuda_context_bytes
+    return peak_reserved + context_bytes(profile)

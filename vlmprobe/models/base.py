@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+from torch.utils._python_dispatch import _disable_current_modes
 
 from vlmprobe.errors import ConfigError, whole
 
@@ -194,6 +195,15 @@ class ModelSpec(abc.ABC):
                     p.normal_(0.0, 0.02)
         return model
 
+    def build_empty(self, dtype: torch.dtype) -> nn.Module:
+        """The model as from_pretrained makes it before it loads a checkpoint: parameters on the meta device (no
+        memory), buffers computed as construction computes them, on the host and outside any tensor mode (no
+        tracker or fake mode sees them), in `dtype`. The loader puts each tensor on the device
+        (vlmprobe.quantization.loading)."""
+        with _disable_current_modes(), torch.device("cpu"), default_dtype(dtype), self._init_skipped(), \
+                parameters_on_meta():
+            return self._construct()
+
     def _init_skipped(self) -> contextlib.AbstractContextManager:
         """The context that skips weight init: transformers' own (torch's init functions and its models'
         init_weights), or for our own modules torch's init functions alone."""
@@ -217,6 +227,24 @@ def torch_init_skipped():
     finally:
         for name, function in originals.items():
             setattr(nn.init, name, function)
+
+
+@contextlib.contextmanager
+def parameters_on_meta():
+    """Every parameter a module registers is moved to the meta device as it is registered (its host tensor, made
+    empty under the no-init context, freed at once); buffers stay where they were made."""
+    register = nn.Module.register_parameter
+
+    def on_meta(module, name, param):
+        if param is not None and param.device.type != "meta":
+            param = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
+        register(module, name, param)
+
+    nn.Module.register_parameter = on_meta
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = register
 
 
 def is_transformers_model(module: nn.Module) -> bool:

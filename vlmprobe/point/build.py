@@ -35,8 +35,13 @@ def build_spec(model_cfg: dict):
 
 def built(spec, engine, train: dict, backend_name: str, meter, mark) -> tuple[torch.nn.Module, int]:
     """The point's model, knobs applied, in training mode, and the build's peak allocated bytes (the model's
-    construction and its weights' fill), read before `mark()`."""
-    model = engine.build(spec, DTYPES[train["param_dtype"]])
+    construction and its weights' fill; QLoRA's base loaded and quantized weight by weight), read before
+    `mark()`."""
+    dtype = DTYPES[train["param_dtype"]]
+    if train.get("quantization"):  # single device only (quantization.validate)
+        model = quantization.load(spec, engine.device, dtype, train, backend_name)
+    else:
+        model = engine.build(spec, dtype)
     # What the build left to reference cycles is freed before training: between a model's load and its first
     # step a real run allocates Python objects by the million, so a full collection has run (the case met: a tied
     # LM head's first weight under zero.Init, held by DeepSpeed's per-parameter closures). The estimate and
@@ -46,7 +51,6 @@ def built(spec, engine, train: dict, backend_name: str, meter, mark) -> tuple[to
     gc.collect(0)
     build_peak = meter.peaks()["allocated"]
     mark()  # a kept model's build is replayed to here for this peak (vlmprobe.estimate.replay.built_models)
-    quantization.quantize(model, train, backend_name)  # QLoRA's base, before its adapters
     apply_knobs(spec, model, train)
     model.train()
     return model, build_peak

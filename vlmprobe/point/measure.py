@@ -153,6 +153,8 @@ def read_figures(backend, meter, point: dict, card, report: StepReport, out: dic
     out.update(backend.final_stats(meter))
     if out["status"] == Status.OK:  # an oom row's reservation is the capacity it ran into, not a prediction
         out["predicted_device_bytes"] = backend.predicted_device_bytes(meter, card)
+        if out["predicted_device_bytes"] is not None and (note := device_profile.context_note(card)):
+            meter.notes.append(note)
     out["notes"] = "; ".join(meter.notes) or None
     path = point["measure"].get("snapshot_file")
     if path and (point["measure"]["snapshot"] or out["status"] == Status.OOM):

@@ -5,7 +5,8 @@ every module whose type is exactly nn.Linear becomes a frozen Linear4bit / Linea
 `get_keys_to_not_convert` names (lm_head, tied weights, the module of the last parameter); so the vision tower's
 and the projector's linear layers are quantized too. Knobs that change memory: the type, double quantization,
 the compute dtype. TRL 1.x's trainers no longer call peft's prepare_model_for_kbit_training, so vlmprobe does not
-either: the rest of the model stays in train.param_dtype.
+either: the rest of the model stays in train.param_dtype. The base is loaded as from_pretrained loads it, each
+weight quantized as it loads (vlmprobe.quantization.loading), never whole in 16-bit.
 backend cuda / cpu: the real bitsandbytes modules (vlmprobe.quantization.bnb_real); estimate: stand-ins that
 allocate what bitsandbytes' CUDA path allocates (vlmprobe.quantization.bnb_standin), and optimizer=adamw_8bit's
 (vlmprobe.quantization.adamw8bit_standin).
@@ -15,13 +16,14 @@ from __future__ import annotations
 
 import importlib.util
 
+import torch
 from torch import nn
 
 from vlmprobe.errors import ConfigError
 from vlmprobe.models.base import is_transformers_model
-from vlmprobe.quantization import adamw8bit_standin, bnb_real, bnb_standin
+from vlmprobe.quantization import adamw8bit_standin, bnb_real, bnb_standin, loading
 
-__all__ = ["freeze_quantized", "layers_to_quantize", "notes", "optimizer_for", "optimizer_notes", "quantize", "skip_reason",
+__all__ = ["freeze_quantized", "layers_to_quantize", "load", "notes", "optimizer_for", "optimizer_notes", "skip_reason",
            "validate"]
 
 TYPES = ("nf4", "int8")
@@ -79,15 +81,15 @@ def freeze_quantized(model: nn.Module, train: dict) -> None:
             model.get_submodule(name).requires_grad_(False)
 
 
-def quantize(model: nn.Module, train: dict, backend: str) -> None:
-    """Replace the model's linear layers in place: real bitsandbytes on cuda and cpu, stand-ins on estimate."""
-    if not train.get("quantization"):
-        return
+def load(spec, device: torch.device, dtype: torch.dtype, train: dict, backend: str) -> nn.Module:
+    """QLoRA's base as from_pretrained loads it under a BitsAndBytesConfig (vlmprobe.quantization.loading): the
+    layers transformers picks quantized weight by weight as they load, real bitsandbytes on cuda and cpu,
+    stand-ins on estimate; the rest in `dtype`."""
     if backend == "estimate":
         bnb_standin.notes()  # forget what an earlier point in this process left
     replace = bnb_standin.replace if backend == "estimate" else bnb_real.replace
-    for name in layers_to_quantize(model):
-        model.set_submodule(name, replace(model.get_submodule(name), train))
+    model = spec.build_empty(dtype)
+    return loading.load(model, device, layers_to_quantize(model), lambda linear, maps: replace(linear, train, maps))
 
 
 def notes(train: dict, backend: str) -> list[str]:

@@ -33,14 +33,18 @@ def kept_bytes(out_features: int, in_features: int, kind: str, double_quant: boo
 
 
 def layer_bytes(backend, train: dict, replace, shape: tuple[int, int], rows: int) -> dict:
-    """On `backend` (a vlmprobe backend): the bytes a bf16 Linear(in, out) with bias becomes when `replace`d,
-    and the peaks above the start of a forward over `rows` rows (two samples) and of its backward."""
+    """On `backend` (a vlmprobe backend): the bytes a bf16 Linear(in, out) with bias becomes when `replace`d, the
+    peak above the loaded layer while it is quantized, and the peaks above the start of a forward over `rows` rows
+    (two samples) and of its backward."""
     out_features, in_features = shape
     with backend.session(None) as meter:
         linear = nn.Linear(in_features, out_features, dtype=torch.bfloat16)
         start = meter.current()
-        layer = replace(linear, train).train()
-        del linear
+        meter.reset_peak()
+        maps: dict = {}  # the device maps made once a process: not the layer's
+        layer = replace(linear, train, maps).train()
+        quantizing = meter.peaks()["allocated"] - start
+        del linear, maps
         kept = meter.current() - start
         x = torch.zeros(2, rows // 2, in_features, dtype=torch.bfloat16, requires_grad=True)
         meter.reset_peak()
@@ -51,4 +55,4 @@ def layer_bytes(backend, train: dict, replace, shape: tuple[int, int], rows: int
         before = meter.current()
         y.sum().backward()
         backward = meter.peaks()["allocated"] - before
-    return {"kept": kept, "forward": forward, "backward": backward}
+    return {"kept": kept, "quantizing": quantizing, "forward": forward, "backward": backward}

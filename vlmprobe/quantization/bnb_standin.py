@@ -16,7 +16,8 @@ import math
 import torch
 from torch import nn
 
-__all__ = ["dequantize_4bit", "gemm_4bit", "Linear4bit", "Linear8bitLt", "MatMul8bitLt", "notes", "replace"]
+__all__ = ["dequantize_4bit", "gemm_4bit", "Linear4bit", "Linear8bitLt", "MatMul8bitLt", "notes", "quantize_4bit",
+           "replace"]
 
 
 BLOCKSIZE = 64  # Linear4bit's default block size; transformers' BitsAndBytesConfig sets no other
@@ -41,31 +42,46 @@ def notes() -> list[str]:
 class QuantState:
     """The tensors of bitsandbytes.functional.QuantState that stay on the device (4-bit)."""
 
-    def __init__(self, shape: torch.Size, dtype: torch.dtype, nested: bool, device):
-        n = math.prod(shape)
-        blocks = -(n // -BLOCKSIZE)
+    def __init__(self, shape: torch.Size, dtype: torch.dtype, nested: bool, code, absmax, offset=None,
+                 state2_absmax=None, state2_code=None):
         self.shape, self.dtype, self.nested = shape, dtype, nested  # dtype: the weight's when quantized
-        self.code = torch.empty(16, dtype=torch.float32, device=device)  # get_4bit_type(quant_type)
-        if nested:
-            self.absmax = torch.empty(blocks, dtype=torch.uint8, device=device)
-            self.offset = torch.empty((), dtype=torch.float32, device=device)  # _absmax.mean()
-            self.state2_absmax = torch.empty(-(blocks // -NESTED_BLOCKSIZE), dtype=torch.float32, device=device)
-            self.state2_code = torch.empty(256, dtype=torch.float32, device=device)  # code.to(device, copy=True)
-        else:
-            self.absmax = torch.empty(blocks, dtype=torch.float32, device=device)
+        self.code, self.absmax, self.offset = code, absmax, offset
+        self.state2_absmax, self.state2_code = state2_absmax, state2_code
+
+
+def quantize_4bit(weight: torch.Tensor, nested: bool, maps: dict) -> tuple[torch.Tensor, QuantState]:
+    """functional.quantize_4bit on CUDA, allocation by allocation: the op's fp32 absmax per block, then the packed
+    codes; the type's table (get_4bit_type: made, then divided by its largest value); with double quantization the
+    mean, the absmax less it, the dynamic map (made once a process: `maps`, bitsandbytes' name2qmap), the nested
+    op's fp32 absmax then its uint8 codes, the map's copy; the fp32 absmax and its shifted copy freed."""
+    n, device = weight.numel(), weight.device
+    blocks = -(n // -BLOCKSIZE)
+    absmax = torch.empty(blocks, dtype=torch.float32, device=device)  # backends/cuda/ops.py quantize_4bit
+    packed = torch.empty(((n + 1) // 2, 1), dtype=torch.uint8, device=device)
+    code = torch.ones(16, dtype=torch.float32, device=device)  # get_4bit_type: torch.tensor(data, device)
+    code.div_(code.abs().max())
+    if not nested:
+        return packed, QuantState(weight.shape, weight.dtype, False, code, absmax)
+    offset = absmax.mean()
+    shifted = absmax - offset
+    if "dynamic" not in maps:  # quantize_blockwise: name2qmap["dynamic"] = create_dynamic_map().to(A.device)
+        maps["dynamic"] = torch.empty(256, dtype=torch.float32, device=device)
+    state2_absmax = torch.empty(-(blocks // -NESTED_BLOCKSIZE), dtype=torch.float32, device=device)
+    codes = torch.empty(blocks, dtype=torch.uint8, device=device)
+    state2_code = torch.empty(256, dtype=torch.float32, device=device)  # code.to(A.device, copy=True)
+    del shifted, absmax
+    return packed, QuantState(weight.shape, weight.dtype, True, code, codes, offset, state2_absmax, state2_code)
 
 
 class Linear4bit(nn.Linear):
-    """bitsandbytes.nn.Linear4bit as transformers builds it, quantized from `linear`'s weight."""
+    """bitsandbytes.nn.Linear4bit as transformers builds it, quantized from `linear`'s weight (the checkpoint's
+    tensor, just loaded: Params4bit._quantize)."""
 
-    def __init__(self, linear: nn.Linear, compute_dtype: torch.dtype, double_quant: bool):
+    def __init__(self, linear: nn.Linear, compute_dtype: torch.dtype, double_quant: bool, maps: dict):
         nn.Module.__init__(self)
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        weight = linear.weight
-        n = weight.numel()
-        self.weight = nn.Parameter(torch.empty(((n + 1) // 2, 1), dtype=torch.uint8, device=weight.device),
-                                   requires_grad=False)  # Params4bit
-        self.quant_state = QuantState(weight.shape, weight.dtype, double_quant, weight.device)
+        packed, self.quant_state = quantize_4bit(linear.weight, double_quant, maps)
+        self.weight = nn.Parameter(packed, requires_grad=False)  # Params4bit
         self.bias = linear.bias
         if self.bias is not None:
             self.bias.requires_grad_(False)  # replace_with_bnb_linear: new_module.requires_grad_(False)
@@ -129,15 +145,20 @@ class MatMul4Bit(torch.autograd.Function):
 
 
 class Linear8bitLt(nn.Linear):
-    """bitsandbytes.nn.Linear8bitLt as transformers builds it (has_fp16_weights=False, threshold 6.0)."""
+    """bitsandbytes.nn.Linear8bitLt as transformers builds it (has_fp16_weights=False, threshold 6.0), quantized
+    from `linear`'s weight as transformers' Bnb8bitQuantize does: the loaded tensor copied to the host, back to the
+    device in fp16 (Int8Params._quantize), then int8_vectorwise_quant's row scales and int8 rows; the fp16 copy
+    freed."""
 
     def __init__(self, linear: nn.Linear):
         nn.Module.__init__(self)
         self.in_features, self.out_features = linear.in_features, linear.out_features
         device = linear.weight.device
+        fp16 = torch.empty(linear.weight.shape, dtype=torch.float16, device=device)  # from the host copy
+        self.SCB = torch.empty(self.out_features, dtype=torch.float32, device=device)  # row_stats
         self.weight = nn.Parameter(torch.empty(linear.weight.shape, dtype=torch.int8, device=device),
                                    requires_grad=False)  # Int8Params: CB
-        self.SCB = torch.empty(self.out_features, dtype=torch.float32, device=device)
+        del fp16
         self.bias = linear.bias
         if self.bias is not None:
             self.bias.requires_grad_(False)
@@ -182,9 +203,10 @@ class MatMul8bitLt(torch.autograd.Function):
         return grad_A, None, None, None
 
 
-def replace(linear: nn.Linear, train: dict) -> nn.Linear:
-    """The stand-in of the bitsandbytes layer transformers would put in `linear`'s place."""
+def replace(linear: nn.Linear, train: dict, maps: dict) -> nn.Linear:
+    """The stand-in of the bitsandbytes layer transformers puts in `linear`'s place, quantized from its weight
+    (`maps`: the device maps bitsandbytes makes once a process, kept by the caller for the point's life)."""
     if train["quantization"] == "int8":
         return Linear8bitLt(linear)
     compute_dtype = getattr(torch, train["quantization_compute_dtype"])  # a name validate() allowed
-    return Linear4bit(linear, compute_dtype, train["quantization_double_quant"])
+    return Linear4bit(linear, compute_dtype, train["quantization_double_quant"], maps)

@@ -150,7 +150,7 @@ def no_card_estimated(table: pd.DataFrame) -> bool:
 
 
 def on_the_card(table: pd.DataFrame) -> list[str]:
-    """The points with predicted_device_bytes (a device profile that knows its CUDA context): what the card
+    """The points with predicted_device_bytes (estimated points with a device profile): what the card
     would show in use at the peak, against the capacity the point ran with."""
     if "predicted_device_bytes" not in table or not table["predicted_device_bytes"].notna().any():
         return []
@@ -165,7 +165,8 @@ def on_the_card(table: pd.DataFrame) -> list[str]:
         "left GiB": (capacity - rows["predicted_device_bytes"].astype("Float64")).map(gib)})
     return ["## On the card (predicted_device_bytes)", "",
             "What the card would show in use at the peak (nvidia-smi's figure for the process): the allocator "
-            "model's peak reserved bytes (the card's two cuBLAS workspaces among its blocks) + the profile's CUDA context "
+            "model's peak reserved bytes (the card's two cuBLAS workspaces among its blocks) + the profile's CUDA context, "
+            "or where the profile has none the 760 MiB measured on an H100 and an H200, as the row's notes say "
             "(vlmprobe/gpu/device_profile.py). Capacity: the memory the point ran against (the card's total memory "
             "as CUDA reports it, or measure.device_memory); a negative `left` does not fit.", "",
             shown.to_markdown(index=False, disable_numparse=True), ""]
