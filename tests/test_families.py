@@ -28,6 +28,7 @@ FAMILIES = {  # tiny config -> data that fits it (the images take 16 tokens in e
     "mistral3_tiny": ["data.batch_size=2", "data.lm_max_length=48"],  # 6 image tokens: 2 rows of 2 and a break
     "glm4v_tiny": ["data.batch_size=2", "data.lm_max_length=48"],
     "glm4v_moe_tiny": ["data.batch_size=2", "data.lm_max_length=48"],
+    "llava_pixtral_tiny": ["data.batch_size=2", "data.lm_max_length=48"],  # 6 image tokens: 2 rows of 2 and a break
 }
 # the projector of each family where it is a module of its own (Qwen's merger, and Qwen3-VL's DeepStack
 # projectors, live inside its vision tower, frozen with it)
@@ -36,7 +37,8 @@ PROJECTORS = {"qwen2_5_vl_tiny": set(), "qwen3_vl_tiny": set(), "qwen3_vl_moe_ti
               "gemma3_tiny": {"multi_modal_projector"}, "mllama_tiny": {"multi_modal_projector"},
               "internvl_tiny": {"multi_modal_projector"}, "paligemma_tiny": {"multi_modal_projector"},
               "llava_onevision_tiny": {"multi_modal_projector", "image_newline"},
-              "mistral3_tiny": {"multi_modal_projector"}, "glm4v_tiny": set(), "glm4v_moe_tiny": set()}
+              "mistral3_tiny": {"multi_modal_projector"}, "glm4v_tiny": set(), "glm4v_moe_tiny": set(),
+              "llava_pixtral_tiny": {"multi_modal_projector"}}
 BYTE_COLUMNS = ("peak_allocated_bytes", "last_step_peak_allocated_bytes", "forward_peak_bytes", "backward_peak_bytes",
                 "optimizer_peak_bytes", "after_load_bytes", "activations_bytes", "grads_bytes", "optimizer_state_bytes",
                 "params_bytes")
@@ -96,7 +98,7 @@ SLOW_SETTINGS = {"fp32", "fp32+bf16_autocast"}
 
 # Families added later keep one setting (every knob at once) in the non-slow suite, within its time budget
 ONE_FAST_SETTING = {"qwen3_vl_tiny", "qwen3_vl_moe_tiny", "llava_next_tiny", "llava_onevision_tiny", "mistral3_tiny",
-                    "glm4v_tiny", "glm4v_moe_tiny"}
+                    "glm4v_tiny", "glm4v_moe_tiny", "llava_pixtral_tiny"}
 
 
 @pytest.mark.parametrize("family,setting", [

@@ -20,6 +20,8 @@ from vlmprobe.errors import ConfigError
 from vlmprobe.models.base import DataShape, ModelSpec, hyperparameters, prompt_then_text
 from vlmprobe.models.fake_constants import collated, constant_tensor
 
+__all__ = ["Mistral3Spec", "resized_side", "TEKKEN_IMAGE_BREAK", "TEKKEN_IMAGE_END"]
+
 # [IMG_BREAK] and [IMG_END] of Mistral's tekken tokenizer (its tokenizer files, not config.json): what model=hf
 # writes; their values do not change memory
 TEKKEN_IMAGE_BREAK, TEKKEN_IMAGE_END = 12, 13
