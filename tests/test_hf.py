@@ -10,7 +10,8 @@ text tower's bos/eos ids and hidden_act, which that copy leaves out, as the Qwen
 preprocessor_config.json, so Qwen3-VL's published pixel bounds), zai-org/GLM-4.5V (its config as a public report
 of the downloaded model prints it, transformers 5.7.0's nested layout; no preprocessor_config.json, so the GLM
 processor class's bounds),
-and tiny ones in the same layouts."""
+and tiny ones in the same layouts (internvl_chat_tiny: the InternVL repository's internvl_chat format of
+internvl_tiny; its published files are in test_internvl.py)."""
 
 import pytest
 import torch
@@ -79,7 +80,8 @@ def test_a_published_config_json_builds_what_its_shipped_yaml_builds(spec, folde
                                             ("llava_tiny", "llava_tiny"), ("idefics3_tiny", "idefics3_tiny"),
                                             ("gemma3_tiny", "gemma3_tiny"), ("mllama_tiny", "mllama_tiny"),
                                             ("internvl_tiny", "internvl_tiny"), ("paligemma_tiny", "paligemma_tiny"),
-                                            ("llava_onevision_tiny", "llava_onevision_tiny")])
+                                            ("llava_onevision_tiny", "llava_onevision_tiny"),
+                                            ("internvl_chat_tiny", "internvl_tiny")])
 def test_a_tiny_config_json_point_uses_the_memory_of_its_shipped_yaml_to_the_byte(plan_points, folder, shipped):
     data = ["data.batch_size=2", "data.lm_max_length=48", "measure.backend=estimate", "measure.steps=1"]
     data += ["data.image_size=112"] if shipped.startswith("qwen") else []  # a Qwen config.json has no image size
@@ -147,7 +149,7 @@ def _write(path, text):
     ("not JSON", r"model.config=.*/broken.json is not allowed: it cannot be read as JSON"),
     ("not an object", r"model.config=.*/list.json is not allowed: it is JSON but not an object of config keys"),
     ("unsupported family", r"model.config=.*/molmo is not allowed: its model_type 'molmo' is not a family vlmprobe "
-                           r"builds \(supported: gemma3, glm4v, glm4v_moe, idefics3, internvl, llava, llava_next, llava_onevision, mistral3, mllama, "
+                           r"builds \(supported: gemma3, glm4v, glm4v_moe, idefics3, internvl, internvl_chat, llava, llava_next, llava_onevision, mistral3, mllama, "
                            r"paligemma, qwen2_5_vl, qwen2_vl, qwen3_vl, qwen3_vl_moe, smolvlm\)"),
     ("no model_type", r"model.config=.*/bare.json is not allowed: its model_type None is not a family"),
 ])
