@@ -222,4 +222,4 @@ def test_pixtral_settings_that_cannot_work_are_refused_in_one_line(compose, plan
         spec("llava_next_tiny", "model.vision.model_type=pixtral")
     with pytest.raises(ConfigError, match=r"data.lm_max_length=4096 is too short for pixtral_12b at 1024 px: the "
                                           r"images take 4160 tokens plus <s>, so it must be at least 4162"):
-        plan_points(["model=pixtral_12b", "data.lm_max_length=4096"])
+        plan_points(["model=pixtral_12b", "data.lm_max_length=4096", "data.image_size=1024"])

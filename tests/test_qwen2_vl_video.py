@@ -70,6 +70,32 @@ def test_video_tokens_equal_the_video_processors_own_count(spec, video_processor
     assert t * rows * cols == patches
 
 
+@pytest.mark.parametrize("frames", [4, 15])
+def test_a_minimum_above_the_cap_scales_frames_up_as_the_video_processor_does(spec, video_processor, frames):
+    # transformers' smart_resize tests the cap first, then the floor: such frames end at the floor, past the cap
+    qwen = spec("qwen2_vl_7b")
+    data = DataShape(1, 100_000, images_per_sample=0, videos_per_sample=1, video_frames=frames, video_size=448,
+                     video_min_pixels=700_000)
+    patches = video_processor.get_num_of_video_patches(processor_settings(700_000, VIDEO_MAX), frames, 448, 448, {})
+    assert qwen.video_tokens(data) == patches // 4
+
+
+@pytest.mark.parametrize("frames,side,minimum,maximum,total,tokens", [
+    # qwen-vl-utils 0.0.14 fetch_video, by hand: cap = max(min(768 x 28^2, total / frames x 2), int(min x 1.05)),
+    # total by default 0.9 x 128,000 x 28^2; then smart_resize (28 px cells) and 2 x 2 patches a token
+    (4, 448, 700_000, None, None, 2 * 30 * 30),  # the cap raised to 735,000: 448 -> 840 px, 30 x 30 tokens x 2
+    (768, 1000, None, None, None, 384 * 17 * 17),    # the default budget: cap 235,200 -> 476 px, 17 x 17 tokens
+    (16, 1000, None, 200_000, None, 8 * 15 * 15),    # a max below the cap lowers it: 420 px
+    (16, 448, None, None, 802_816, 8 * 11 * 11),  # VIDEO_TOTAL_PIXELS given: share 100,352 raised to 105,369 -> 308 px
+])
+def test_qwen_vl_utils_sizes_frames_by_its_own_rule(spec, frames, side, minimum, maximum, total, tokens):
+    qwen = spec("qwen2_vl_7b")
+    data = DataShape(1, 400_000, images_per_sample=0, videos_per_sample=1, video_frames=frames, video_size=side,
+                     video_min_pixels=minimum, video_max_pixels=maximum, video_total_pixels=total,
+                     video_processor="qwen_vl_utils")
+    assert qwen.video_tokens(data) == tokens
+
+
 @pytest.mark.parametrize("name", ["qwen2_vl_tiny", "qwen2_5_vl_tiny"])
 def test_pixel_values_videos_are_what_the_processors_patchify_makes_of_the_resized_frames(spec, video_processor, name):
     tiny = spec(name)
@@ -207,8 +233,12 @@ def test_a_video_point_runs_the_grpo_step_as_a_real_run_does(point):
      r"^data\.video_frames=0 is not allowed: it must be a positive integer or null$"),
     (["model=qwen2_vl_tiny", "data.videos_per_sample=1", "data.video_frames=4", "data.video_max_pixels=700"],
      r"^data\.video_max_pixels=700 is not allowed for qwen2_vl_tiny: a frame is at least one 28 x 28 px block"),
-    (["model=qwen2_vl_tiny", "data.videos_per_sample=1", "data.video_frames=4", "data.video_min_pixels=700000"],
-     r"^data\.video_min_pixels=700000 is not allowed for qwen2_vl_tiny: it must not exceed video_max_pixels=602112$"),
+    (["model=qwen2_vl_tiny", "data.videos_per_sample=1", "data.video_frames=4", "data.video_min_pixels=700000",
+      "data.video_max_pixels=602112", "data.video_processor=qwen_vl_utils"],
+     r"^data\.video_max_pixels=602112 is not allowed for qwen2_vl_tiny with data\.video_processor=qwen_vl_utils: it "
+     r"must be at least video_min_pixels=700000 \(qwen-vl-utils' smart_resize asserts"),
+    (["model=qwen2_vl_tiny", "data.videos_per_sample=1", "data.video_frames=4", "data.video_processor=decord"],
+     r"^data\.video_processor='decord' is not allowed: use one of transformers, qwen_vl_utils$"),
     (["model=qwen2_vl_tiny", "data.videos_per_sample=1", "data.video_frames=4", "data.video_size=20"],
      r"^data\.video_size=20 is not allowed for qwen2_vl_tiny: a side must be at least 28 px"),
     (["model=qwen2_vl_tiny", "data.videos_per_sample=1", "data.video_frames=16", "data.video_size=448",

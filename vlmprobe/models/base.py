@@ -18,6 +18,9 @@ __all__ = ["count_params", "DataShape", "filler_text", "hyperparameters", "IGNOR
            "ModelSpec", "prompt_then_text", "torch_init_skipped", "TRANSFORMERS_MODULES", "unwrapped"]
 
 
+VIDEO_PROCESSORS = ("transformers", "qwen_vl_utils")  # data.video_processor: whose frame-sizing rule a point follows
+
+
 @dataclass(frozen=True)
 class DataShape:
     """The input sizes of one grid point (the `data` config group, validated)."""
@@ -34,6 +37,7 @@ class DataShape:
     video_min_pixels: int | None = None  # floor on H*W per frame; None = the model's video processor's
     video_max_pixels: int | None = None  # cap on H*W per frame; None = the model's video processor's
     video_total_pixels: int | None = None  # cap on frames x H*W per video (qwen-vl-utils' VIDEO_TOTAL_PIXELS); None = none
+    video_processor: str = "transformers"  # whose rule sizes the frames: transformers | qwen_vl_utils
 
     @classmethod
     def from_config(cls, data) -> "DataShape":
@@ -46,6 +50,9 @@ class DataShape:
             value = getattr(shape, name)
             if not whole(value) or value < 0:
                 raise ConfigError(f"data.{name}={value!r} is not allowed: it must be 0 or a positive integer")
+        if shape.video_processor not in VIDEO_PROCESSORS:
+            raise ConfigError(f"data.video_processor={shape.video_processor!r} is not allowed: use one of "
+                              f"{', '.join(VIDEO_PROCESSORS)}")
         if shape.images_per_sample == 0 and shape.videos_per_sample == 0:
             raise ConfigError("data.images_per_sample=0 is not allowed without videos: a sample needs an image or a "
                               "video (data.videos_per_sample > 0)")

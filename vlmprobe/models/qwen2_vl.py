@@ -25,6 +25,12 @@ from vlmprobe.models.fake_constants import collated, constant_tensor
 __all__ = ["Qwen2VLSpec", "smart_resize"]
 
 
+# qwen-vl-utils 0.0.14 (vision_process.py): VIDEO_MIN_TOKEN_NUM, VIDEO_MAX_TOKEN_NUM per frame, and MODEL_SEQ_LEN,
+# the tokens whose 90 % make a video's default total pixel budget
+QWEN_VL_UTILS_VIDEO_TOKENS = (128, 768)
+QWEN_VL_UTILS_SEQ_LEN = 128_000
+
+
 def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixels: int,
                  frames: int = 1, scale_up_small_sides: bool = False) -> tuple[int, int]:
     """(H, W) the Qwen2-VL image processor resizes a `height` x `width` image to (transformers'
@@ -156,13 +162,13 @@ class Qwen2VLSpec(ModelSpec):
         """(min_pixels, max_pixels) per image for this point; raises ConfigError for bounds no image can meet."""
         return self._checked(data.min_pixels or self.min_pixels, data.max_pixels or self.max_pixels, "", "an image")
 
-    def _checked(self, low: int, high: int, prefix: str, what: str) -> tuple[int, int]:
+    def _checked(self, low: int, high: int, prefix: str, what: str, crossed: bool = False) -> tuple[int, int]:
         """(low, high) px per image or frame, or a ConfigError naming data.{prefix}min/max_pixels where no
-        resized image can lie between them."""
+        resized image can lie between them (`crossed`: a minimum above the maximum is the processor's to take)."""
         if high < self.factor**2:
             raise ConfigError(f"data.{prefix}max_pixels={high} is not allowed for {self.name}: {what} is at least one "
                               f"{self.factor} x {self.factor} px block, so it must be at least {self.factor**2}")
-        if low > high:
+        if low > high and not crossed:
             raise ConfigError(f"data.{prefix}min_pixels={low} is not allowed for {self.name}: it must not exceed "
                               f"{prefix}max_pixels={high}")
         return low, high
@@ -177,14 +183,38 @@ class Qwen2VLSpec(ModelSpec):
 
     def video_grid(self, data: DataShape) -> tuple[int, int, int]:
         """(temporal patches, rows, cols) of one video: its frames padded to a multiple of temporal_patch_size
-        (the processor repeats the last), each resized within the video bounds."""
+        (the processor repeats the last), each resized within the frame bounds (frame_bounds)."""
+        rows, cols = self._resized(self.video_size(data), "video_size", *self.frame_bounds(data))
+        return -(-data.video_frames // self.vision["temporal_patch_size"]), rows, cols
+
+    def frame_bounds(self, data: DataShape) -> tuple[float, float]:
+        """(min, max) px per frame as the point's video processor decides them (data.video_processor):
+
+        - transformers (Qwen2VLVideoProcessor.resize, 5.25): the processor's bounds or the point's; with a total
+          budget (cap_pixels_per_frame) the cap lowered to an even share of it, floored at 1.05 x the minimum. A
+          minimum above the cap is not refused: smart_resize tests the cap first, so such frames are scaled up
+          to the minimum.
+        - qwen_vl_utils (qwen-vl-utils 0.0.14 fetch_video): the cap is the smaller of 768 tokens' worth and an
+          even share of the total budget (VIDEO_TOTAL_PIXELS; by default 90 % of MODEL_SEQ_LEN = 128,000 tokens'
+          worth) over the frames rounded up to even, raised to 1.05 x the minimum where that is larger; a
+          max_pixels given lowers it, never raises it; smart_resize asserts max >= min (refused here)."""
+        step = self.vision["temporal_patch_size"]
+        if data.video_processor == "qwen_vl_utils":
+            low = data.video_min_pixels or QWEN_VL_UTILS_VIDEO_TOKENS[0] * self.factor**2
+            total = data.video_total_pixels or QWEN_VL_UTILS_SEQ_LEN * self.factor**2 * 0.9
+            frames = -(-data.video_frames // 2) * 2  # FRAME_FACTOR
+            cap = max(min(QWEN_VL_UTILS_VIDEO_TOKENS[1] * self.factor**2, total / frames * 2), int(low * 1.05))
+            high = min(data.video_max_pixels, cap) if data.video_max_pixels else cap
+            if high < low:
+                raise ConfigError(f"data.video_max_pixels={data.video_max_pixels} is not allowed for {self.name} with "
+                                  f"data.video_processor=qwen_vl_utils: it must be at least video_min_pixels={low} "
+                                  f"(qwen-vl-utils' smart_resize asserts max_pixels >= min_pixels)")
+            return self._checked(low, high, "video_", "a frame")
         low = data.video_min_pixels or self.video_min_pixels
         high = data.video_max_pixels or self.video_max_pixels
-        step = self.vision["temporal_patch_size"]
         if data.video_total_pixels:  # the per-frame cap lowered to an even share of the video's budget
             high = max(min(high, data.video_total_pixels * step // data.video_frames), int(low * 1.05))
-        rows, cols = self._resized(self.video_size(data), "video_size", *self._checked(low, high, "video_", "a frame"))
-        return -(-data.video_frames // step), rows, cols
+        return self._checked(low, high, "video_", "a frame", crossed=True)
 
     def _resized(self, size: int, field: str, low: int, high: int) -> tuple[int, int]:
         """(rows, cols) of 14 px patches of a `size` px square image or frame resized within [low, high] px."""
