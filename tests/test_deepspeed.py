@@ -376,6 +376,19 @@ SHIPPED_ZERO = {
 }
 
 
+def test_the_frameworks_zero_jsons_hold_no_key_whose_memory_is_unchecked_and_others_are_named(tmp_path):
+    from vlmprobe.distributed.options import deepspeed_notice, unchecked_keys
+
+    for name, config in SHIPPED_ZERO.items():
+        assert unchecked_keys(config) == [], name
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps({**SHIPPED_ZERO["TRL zero2"], "activation_checkpointing": {"cpu_checkpointing": True},
+                                "flops_profiler": {"enabled": False}, "amp": {"enabled": False}}))
+    assert deepspeed_notice(path) == (f"vlmprobe: dist.deepspeed_config={path}: activation_checkpointing, amp reach "
+                                      f"DeepSpeed as given, but what they do to memory is not checked (the rows may "
+                                      f"not show it)")
+
+
 @pytest.mark.slow  # 15 DeepSpeed points, ~3 min
 @pytest.mark.parametrize("world", [1, 4, 8])
 @pytest.mark.parametrize("name", SHIPPED_ZERO)

@@ -276,7 +276,7 @@ def write(tmp_path, name, text):
                                   "stage 5", "ddp offload", "fsdp2 optimizer offload", "find", "offload param zero2",
                                   "unknown engine name", "engine name without its keys", "zero_init not a bool",
                                   "ddp bucket 0", "ddp bucket view not a bool", "an auto nobody fills",
-                                  "LoRA beside a bf16 tower under zero.Init"])
+                                  "LoRA beside a bf16 tower under zero.Init", "nvme offload"])
 def test_bad_dist_input_is_one_line_naming_the_value(plan_points, tmp_path, case):
     cases = {
         "world 0": (["dist=fsdp2", "dist.world_size=0"], "dist.world_size=0 is not allowed"),
@@ -298,6 +298,8 @@ def test_bad_dist_input_is_one_line_naming_the_value(plan_points, tmp_path, case
                                        "dist.gradient_as_bucket_view=1 is not allowed: use true or false"),
         "an auto nobody fills": (["dist=zero3", f"dist.deepspeed_config={write(tmp_path, 'c.json', json.dumps({'zero_optimization': {'stage': 3, 'sub_group_size': 'auto'}}))}"],
                                  'is not allowed: zero_optimization.sub_group_size: "auto" has no value'),
+        "nvme offload": (["dist=zero3", f"dist.deepspeed_config={write(tmp_path, 'd.json', json.dumps({'zero_optimization': {'stage': 3, 'offload_param': {'device': 'nvme', 'nvme_path': '/nvme'}}}))}"],
+                         "zero_optimization.offload_param.device='nvme': vlmprobe models offloading to the host"),
         # the real engine's failure without this line: tests/test_deepspeed.py
         "LoRA beside a bf16 tower under zero.Init": (
             ["dist=zero3", "train.lora_r=8", "train.param_dtype=bfloat16", "train.autocast_dtype=null"],

@@ -11,12 +11,23 @@ from omegaconf import OmegaConf
 from vlmprobe.errors import ConfigError
 from vlmprobe.paths import CONF
 
-__all__ = ["DEEPSPEED_ENGINES", "read_deepspeed_config", "skip_reason", "validate"]
+__all__ = ["DEEPSPEED_ENGINES", "deepspeed_notice", "read_deepspeed_config", "skip_reason", "unchecked_keys", "validate"]
 
 TORCH_ENGINES = ("none", "ddp", "fsdp2")
 DEEPSPEED_ENGINES = ("zero1", "zero2", "zero3")
 OFFLOAD_DEVICES = ("none", "cpu")
 MP_DTYPES = (None, "float32", "bfloat16", "float16")
+# Top-level keys of a user's DeepSpeed JSON whose memory a run here follows (DeepSpeed reads them on the fake
+# process groups as on GPUs: batch sizes, ZeRO, precision, the optimizer; the scheduler holds no device memory),
+# or that hold none (logging, monitoring, progress). Any other key still reaches DeepSpeed, but what it does to
+# memory is not checked here: deepspeed_notice lists it.
+CHECKED_KEYS = {"train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps",
+                "gradient_clipping", "zero_optimization", "bf16", "fp16", "optimizer", "scheduler",
+                "zero_allow_untested_optimizer", "zero_force_ds_cpu_optimizer", "communication_data_type",
+                "prescale_gradients", "gradient_predivide_factor"}
+NO_MEMORY_KEYS = {"steps_per_print", "wall_clock_breakdown", "dump_state", "memory_breakdown", "comms_config",
+                  "comms_logger", "monitor_config", "tensorboard", "wandb", "csv_monitor", "flops_profiler",
+                  "checkpoint"}
 
 
 def _positive_int(value) -> bool:
@@ -104,11 +115,33 @@ def read_deepspeed_config(path) -> dict:
         raise ConfigError(f"dist.deepspeed_config={path} is not allowed: not JSON ({exc})") from None
     if not isinstance(config, dict):
         raise ConfigError(f"dist.deepspeed_config={path} is not allowed: it must hold a JSON object")
-    stage = (config.get("zero_optimization") or {}).get("stage", 0)
+    zero = config.get("zero_optimization") or {}
+    stage = zero.get("stage", 0)
     if stage not in (0, 1, 2, 3) or isinstance(stage, bool):
         raise ConfigError(f"dist.deepspeed_config={path} is not allowed: zero_optimization.stage={stage!r}, "
                           f"DeepSpeed's ZeRO stages are 0-3")
+    for key in ("offload_optimizer", "offload_param"):
+        device = (zero.get(key) or {}).get("device", "none")
+        if device not in ("none", "cpu", None):
+            raise ConfigError(f"dist.deepspeed_config={path} is not allowed: zero_optimization.{key}.device="
+                              f"{device!r}: vlmprobe models offloading to the host (cpu) or none, not {device} "
+                              f"(ZeRO-Infinity's NVMe swapping needs DeepSpeed's async I/O op and a disk); use cpu")
     return config
+
+
+def unchecked_keys(config: dict) -> list[str]:
+    """Top-level keys of a user's DeepSpeed JSON that reach DeepSpeed but whose memory vlmprobe has not checked."""
+    return sorted(set(config) - CHECKED_KEYS - NO_MEMORY_KEYS)
+
+
+def deepspeed_notice(path) -> str | None:
+    """One line for the terminal naming the keys of the JSON at `path` that unchecked_keys lists; None if none."""
+    keys = unchecked_keys(read_deepspeed_config(path))
+    if not keys:
+        return None
+    named = f"{', '.join(keys)} reach DeepSpeed as given, but what they do" if len(keys) > 1 else \
+        f"{keys[0]} reaches DeepSpeed as given, but what it does"
+    return f"vlmprobe: dist.deepspeed_config={path}: {named} to memory is not checked (the rows may not show it)"
 
 
 def skip_reason(dist: dict, backend: str) -> str | None:

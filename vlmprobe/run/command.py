@@ -20,6 +20,7 @@ from vlmprobe.config.checks import check_top_level
 from vlmprobe.config.grid import flatten_axes, flatten_cases
 from vlmprobe.config.overrides import resolved
 from vlmprobe.config.plan import Composer, PlannedPoint, grid_points, plan, plan_point
+from vlmprobe.distributed import options as dist_options
 from vlmprobe.errors import ConfigError
 from vlmprobe.results.provenance import environment, write_env
 from vlmprobe.results.report import write_reports
@@ -61,6 +62,10 @@ def run_planned(base: dict, backend: str, note: str | None, overrides: list[str]
     planned = search.planned if search else plan(compose, overrides, base)
     if note:
         say(note)
+    for path in sorted({str(p.config["dist"]["deepspeed_config"]) for p in planned
+                        if p.config["dist"].get("deepspeed_config")}):
+        if line := dist_options.deepspeed_notice(path):
+            say(line)
     what = counted(len(planned), "configuration to bisect" if search else "point")
     if base["dry_run"]:
         say(f"vlmprobe: dry run: {what} planned and valid, backend {backend}; nothing run, nothing written")
