@@ -61,7 +61,7 @@ BAD_INPUT = {
                                                      "model=nanovlm_tiny with its settings is not allowed: NanoVLMSpec"),
     "an axis value that is not a group option": (["+sweep=smoke", "+sweep.axes.model=[nanovlm_tiny,nope]"],
                                                  "model='nope' is not allowed: use one of gemma3_4b, gemma3_tiny, glm4_1v_9b, glm4_5v, glm4v_moe_tiny, glm4v_tiny, hf, idefics3_tiny"),
-    "a flag": (["--cfg", "job"], "--cfg is not allowed: vlmprobe takes only overrides"),
+    "a flag": (["--cfg", "hydra"], "--cfg is not allowed: vlmprobe takes only overrides"),
     "unparsable": (["data.batch_size=[1,"], "data.batch_size=[1, is not allowed: Hydra cannot parse it"),
     "removing a key vlmprobe reads": (["~data"], "~data is not allowed: vlmprobe reads every config key"),
     "adding a key that exists": (["+data.batch_size=2"], "+data.batch_size=2 is not allowed: data.batch_size is "

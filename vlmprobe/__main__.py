@@ -1,4 +1,5 @@
-"""`python -m vlmprobe`: the command (vlmprobe.cli.main), ended without the interpreter's teardown.
+"""`python -m vlmprobe` and the `vlmprobe` console script: the command (vlmprobe.cli.main), ended without the
+interpreter's teardown.
 
 The process ends through an exit handler that flushes the streams and calls os._exit once every other exit handler
 has run (logging's flush, weakref finalizers, multiprocessing's): handlers run last-registered first, so this one
@@ -10,10 +11,27 @@ import atexit
 import os
 import sys
 
-if __name__ == "__main__":
+
+
+def console() -> None:
+    """The `vlmprobe` console script and `python -m vlmprobe`."""
     exit_code = [1]
-    atexit.register(lambda: (sys.stdout.flush(), sys.stderr.flush(), os._exit(exit_code[0])))
+
+    def flush_and_exit():
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                if stream is not None:
+                    stream.flush()
+            except (BrokenPipeError, ValueError):  # a reader that left early, a closed stream
+                pass
+        os._exit(exit_code[0])
+
+    atexit.register(flush_and_exit)
     from vlmprobe.cli import main  # after the handler: see above
 
     exit_code[0] = main()
     sys.exit(exit_code[0])
+
+
+if __name__ == "__main__":
+    console()

@@ -13,6 +13,7 @@ from vlmprobe import backends, quantization
 from vlmprobe.errors import ConfigError, require_flags
 from vlmprobe.gpu import alloc_conf, device_profile
 from vlmprobe.knobs import validate_knobs
+from vlmprobe.results.answer import OUTPUTS
 from vlmprobe.point.build import step_settings
 from vlmprobe.sizes import parse_bytes
 
@@ -26,8 +27,11 @@ STEPS = ("sft", "grpo", "dpo")
 
 def check_top_level(base: dict) -> None:
     """The keys of config.yaml itself (the groups are checked per point)."""
-    if not isinstance(base["dry_run"], bool):
-        raise ConfigError(f"dry_run={base['dry_run']!r} is not allowed: use true or false")
+    for key in ("dry_run", "fail_on_oom"):
+        if not isinstance(base[key], bool):
+            raise ConfigError(f"{key}={base[key]!r} is not allowed: use true or false")
+    if base["output"] not in OUTPUTS:
+        raise ConfigError(f"output={base['output']!r} is not allowed: use {' or '.join(OUTPUTS)}")
     parse_bytes(base["memory_budget"], "memory_budget")
     name = base["sweep"]["name"]
     if not isinstance(name, str) or not name.strip() or "/" in name or name in (".", ".."):

@@ -27,7 +27,6 @@ from vlmprobe.steps.sft import train_steps
 
 __all__ = ["TAIL", "error_row", "is_out_of_memory", "measure"]
 
-OOM_MESSAGE_CHARS = 500  # of the out-of-memory message's first line, kept in the row's error
 TAIL = 2000  # characters of a traceback or of stderr kept in a failed row
 
 
@@ -139,8 +138,9 @@ def train(backend, meter, point: dict, spec, data: DataShape, loaded: Loaded, re
 def ran_out(backend, meter, report: StepReport, out: dict, message: str) -> None:
     """An out-of-memory row: its message, what it asked for, and the peaks of the window it ended (step
     windows fold into the report only when a step finishes)."""
-    out.update(status=Status.OOM, error=message.strip().splitlines()[0][:OOM_MESSAGE_CHARS],
+    out.update(status=Status.OOM, error=message.strip().splitlines()[0],
                **backend.oom_columns(meter, message))
+    report.peak_phase = report.running  # where it ran out: the row's peak is that phase's
     for key, value in meter.peaks().items():
         report.peaks[key] = max(report.peaks.get(key, 0), value)
 

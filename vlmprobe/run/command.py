@@ -19,9 +19,11 @@ from vlmprobe import backends
 from vlmprobe.config.checks import check_top_level
 from vlmprobe.config.grid import flatten_axes, flatten_cases
 from vlmprobe.config.overrides import resolved
+from vlmprobe.config.notices import notices
 from vlmprobe.config.plan import Composer, PlannedPoint, grid_points, plan, plan_point
 from vlmprobe.distributed import options as dist_options
 from vlmprobe.errors import ConfigError
+from vlmprobe.results.answer import answer_lines, json_lines
 from vlmprobe.results.provenance import environment, write_env
 from vlmprobe.results.report import write_reports
 from vlmprobe.results.table import columns_for, replacing
@@ -66,6 +68,8 @@ def run_planned(base: dict, backend: str, note: str | None, overrides: list[str]
                         if p.config["dist"].get("deepspeed_config")}):
         if line := dist_options.deepspeed_notice(path):
             say(line)
+    for line in notices(planned):
+        say(line)
     what = counted(len(planned), "configuration to bisect" if search else "point")
     if base["dry_run"]:
         say(f"vlmprobe: dry run: {what} planned and valid, backend {backend}; nothing run, nothing written")
@@ -102,8 +106,20 @@ def run_in(out_dir: Path, planned: list, search, base: dict, backend: str, what:
         raise interrupted
     written = ", ".join(n for n in WRITTEN if (out_dir / n).exists())
     say(f"vlmprobe: wrote {out_dir}: {written} ({counted(len(table), 'row')})")
+    answer(table, base["output"])
     failed = [s for s in runner.statuses if s not in (Status.OK, Status.OOM, Status.SKIPPED)]
-    return 1 if runner.statuses and len(failed) == len(runner.statuses) else 0
+    if runner.statuses and len(failed) == len(runner.statuses):
+        return 1
+    return 1 if base["fail_on_oom"] and (table["status"] == Status.OOM).any() else 0
+
+
+def answer(table, output: str) -> None:
+    """The rows' answer on stdout (vlmprobe.results.answer): the table and verdicts, or JSON lines."""
+    lines = answer_lines(table) if output == "text" else json_lines(table)
+    try:
+        print("\n".join(lines), flush=True)
+    except BrokenPipeError:  # `| head`: the reader has what it wanted
+        sys.stdout = None
 
 
 def table_axes(base: dict, searched: bool) -> tuple[list[str], list[str]]:

@@ -104,7 +104,8 @@ def run_sweep(planned: list, runner: Runner, launcher: dict | None = None) -> No
     todo = [p for p in planned if p.point.id not in runner.done]
     if len(todo) < len(planned):
         tqdm.write(f"resume: {len(planned) - len(todo)} of {len(planned)} points already have rows", file=sys.stderr)
-    bar = tqdm(total=len(todo), desc="points", unit="point", dynamic_ncols=True)
+    # on a terminal a bar; elsewhere (CI, a log file) only the line each finished point writes
+    bar = tqdm(total=len(todo), desc="points", unit="point", dynamic_ncols=True, disable=not sys.stderr.isatty())
     try:
         run_points(todo, runner, launcher or {"name": "local"}, bar)
     finally:

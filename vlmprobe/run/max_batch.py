@@ -87,7 +87,8 @@ class MaxBatchSearch:
 
     def run(self, runner) -> None:
         """Bisect every configuration through `runner` (sweep.Runner: probes resumed from its rows are reused)."""
-        for point in tqdm(self.points, desc="configurations", unit="config", dynamic_ncols=True):
+        for point in tqdm(self.points, desc="configurations", unit="config", dynamic_ncols=True,
+                          disable=not sys.stderr.isatty()):
             probes = []
 
             def probe(batch_size: int) -> dict:

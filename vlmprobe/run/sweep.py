@@ -83,7 +83,8 @@ class Runner:
         self.statuses.append(row["status"])
         peak = mib(row.get("peak_allocated_bytes"))
         tqdm.write(f"  {item.point.id}: {row['status']}" + (f", peak {peak} MiB ({row['backend']})" if peak else "")
-                   + (f" - {str(row.get('error') or '').splitlines()[0][:160]}" if row["status"] != Status.OK else ""),
+                   + (f" - {first_line(row, 160 if row['status'] != Status.OOM else None)}"
+                      if row["status"] != Status.OK else ""),
                    file=sys.stderr)
         return row
 
@@ -109,3 +110,10 @@ def same(kept, planned) -> bool:
         except (TypeError, ValueError):
             return False
     return str(kept) == str(planned)
+
+
+def first_line(row: dict, limit: int | None) -> str:
+    """The first line of a row's error, cut to `limit` characters (None: whole; an out-of-memory message is never
+    cut, its figures are the answer)."""
+    line = (str(row.get("error") or "").splitlines() or [""])[0]
+    return line if limit is None else line[:limit]

@@ -63,6 +63,7 @@ class StepReport:
     last_step_peaks: dict[str, int] = field(default_factory=dict)  # each peak figure over the last step
     phase_peaks: dict[str, int] = field(default_factory=dict)  # peak allocated per phase, max over steps
     peak_phase: str = ""  # the phase that holds the overall allocated peak
+    running: str = "load"  # the phase running now (where an out-of-memory stops the point): load until a step begins
     activations_bytes: int = 0  # bytes the last forward left live for backward (saved tensors, logits, loss)
     after_step_bytes: int = 0  # allocated once the last optimizer step is done: what the loop carries into the next step
     grads_bytes: int = 0
@@ -91,6 +92,10 @@ class PhaseClock:
         self.meter.reset_peak()
         return started
 
+    def enter(self, phase: Phase) -> None:
+        """Say which phase runs from here (the row's peak_phase if memory runs out in it); opens no window."""
+        self.report.running = phase
+
     def close(self, phase: Phase) -> None:
         self.meter.sync()  # kernels queued in this phase must be done before the peak is read
         peaks = self.meter.peaks()
@@ -103,6 +108,7 @@ class PhaseClock:
         """After the last micro batch: the gradients' bytes, the optimizer step (`step`: the engine's, or the
         estimate's replay of it) in its window; its peaks become the last step's, and count toward the run's."""
         self.report.grads_bytes = engine.grads_bytes()
+        self.enter(Phase.OPTIMIZER)
         step()
         self.close(Phase.OPTIMIZER)
         self.report.step_time_s = time.perf_counter() - started

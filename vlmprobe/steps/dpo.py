@@ -94,11 +94,13 @@ def dpo_steps(spec, engine, reference, data: "DataShape", device, meter: Meter, 
         started = clock.begin_step(engine)
         for _ in range(accum):
             before_forward = meter.current()
+            clock.enter(Phase.FORWARD)
             # the HF Trainer's compute_loss runs under accelerate's autocast, the reference's forward included
             with autocast():
                 logps, kept = sequence_log_probs(settings, engine.model, batch, policy=True)
                 clock.close(Phase.FORWARD)
                 ref_logps = None
+                clock.enter(Phase.REFERENCE if settings.reference else Phase.FORWARD)
                 if settings.reference:
                     scorer = reference if reference is not None else engine.model
                     with torch.no_grad(), (disabled_adapters() if reference is None else contextlib.nullcontext()):
@@ -108,6 +110,7 @@ def dpo_steps(spec, engine, reference, data: "DataShape", device, meter: Meter, 
                 clock.close(Phase.REFERENCE if settings.reference else Phase.FORWARD)
             del logps, kept, ref_logps  # the trainer's locals die as its compute_loss returns
             report.activations_bytes = meter.current() - before_forward
+            clock.enter(Phase.BACKWARD)
             engine.backward(loss)
             del loss
             clock.close(Phase.BACKWARD)

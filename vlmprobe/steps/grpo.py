@@ -133,12 +133,14 @@ def grpo_steps(spec, engine, reference, data: "DataShape", device, meter: Meter,
     for _ in range(steps):
         started = clock.begin_step(engine)
         if not settings.use_vllm:
+            clock.enter(Phase.GENERATE)
             # accelerate wraps the prepared model's forward in autocast, generate included
             with autocast(), engine.generating() as policy:
                 # the ids die here: TRL turns them into lists and pads them again below
                 rollout(spec, policy, dataclasses.replace(data, batch_size=rows * accum), device, completion,
                         settings.rollout)
             clock.close(Phase.GENERATE)
+        clock.enter(Phase.REFERENCE if settings.beta else Phase.FORWARD)
         batches = [completion_batch(spec, rows, data, completion, device) for _ in range(accum)]
         mask = torch.ones(rows * accum, completion, dtype=torch.int32, device=device).split(rows)
         advantages = torch.zeros(rows * accum, dtype=torch.float32, device=device).split(rows)
@@ -151,12 +153,14 @@ def grpo_steps(spec, engine, reference, data: "DataShape", device, meter: Meter,
         buffered = (batches, mask, advantages, ref_logps)  # the previous step's rollout dies here
         for i in range(accum):
             before_forward = meter.current()
+            clock.enter(Phase.FORWARD)
             with autocast():
                 logps, entropy = log_probs(settings, engine.model, batches[i], completion, with_entropy=True)
                 loss = grpo_loss(settings, logps, ref_logps[i], mask[i], advantages[i], accum)
             del logps, entropy
             report.activations_bytes = meter.current() - before_forward
             clock.close(Phase.FORWARD)
+            clock.enter(Phase.BACKWARD)
             engine.backward(loss)
             del loss
             clock.close(Phase.BACKWARD)

@@ -46,6 +46,7 @@ def train_steps(spec, engine, batch, meter: Meter, steps: int, autocast, report:
         started = clock.begin_step(engine)
         for _ in range(accum):
             before_forward = meter.current()
+            clock.enter(Phase.FORWARD)
             loss, outputs = forward()
             kept = outputs if hold_outputs else None  # this reference is what keeps them alive
             del outputs  # unless kept, the outputs die here once autograd no longer needs them
@@ -55,6 +56,7 @@ def train_steps(spec, engine, batch, meter: Meter, steps: int, autocast, report:
             report.activations_bytes = meter.current() - before_forward
             held = kept  # rebinding lets the previous outputs die, as `_, loss = model(...)` does
             clock.close(Phase.FORWARD)
+            clock.enter(Phase.BACKWARD)
             backward(loss)
             clock.close(Phase.BACKWARD)
         clock.end_step(engine, step, started)
