@@ -12,6 +12,7 @@ from pathlib import Path
 from vlmprobe import backends, quantization
 from vlmprobe.errors import ConfigError, require_flags
 from vlmprobe.gpu import alloc_conf, device_profile
+from vlmprobe.gpu.device_profile import UNBOUNDED
 from vlmprobe.knobs import validate_knobs
 from vlmprobe.results.answer import OUTPUTS
 from vlmprobe.point.build import step_settings
@@ -78,7 +79,12 @@ def check_measure(cfg: dict) -> tuple[device_profile.DeviceProfile | None, alloc
     steps = measure["steps"]
     if not isinstance(steps, int) or isinstance(steps, bool) or steps <= 0:
         raise ConfigError(f"measure.steps={steps!r} is not allowed: it must be a positive integer")
-    measure["device_memory"] = parse_bytes(measure["device_memory"], "measure.device_memory")
+    if measure["device_memory"] == UNBOUNDED:  # no capacity: the whole peak of a point that would not fit
+        if measure["backend"] not in ("estimate", "cpu"):
+            raise ConfigError(f"measure.device_memory=unbounded is not allowed with backend {measure['backend']}: a "
+                              f"real card has its capacity; use measure.backend=estimate")
+    else:
+        measure["device_memory"] = parse_bytes(measure["device_memory"], "measure.device_memory")
     # the target card: a capacity above it, or bfloat16 on a card without it, is refused before any model is built
     profile = device_profile.from_config(cfg["device"])
     device_profile.check(measure["device_memory"], cfg["train"], cfg["dist"], cfg["model"].get("attn_implementation"),

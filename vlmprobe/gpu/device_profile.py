@@ -20,7 +20,7 @@ from vlmprobe.errors import ConfigError, refused
 from vlmprobe.paths import CONF
 from vlmprobe.sizes import GiB, parse_bytes
 
-__all__ = ["ASSUMED_CONTEXT_BYTES", "build", "capacity", "check", "context_bytes", "context_note", "DeviceProfile",
+__all__ = ["ASSUMED_CONTEXT_BYTES", "UNBOUNDED", "build", "capacity", "check", "context_bytes", "context_note", "DeviceProfile",
            "from_config", "key_of_card", "load", "name_note", "predicted_device_bytes", "workspace_blocks"]
 
 SDPA_BACKENDS = ("flash", "efficient", "cudnn", "math")
@@ -144,7 +144,7 @@ def check(device_memory: int | None, train: dict, dist: dict, attention: str, pr
     bytes; `attention`: model.attn_implementation."""
     if profile is None:
         return
-    if device_memory is not None and device_memory > profile.total_memory:
+    if isinstance(device_memory, int) and device_memory > profile.total_memory:
         raise ConfigError(f"measure.device_memory={device_memory} is not allowed with device={profile.key}: the "
                           f"{profile.name} has {profile.total_memory:,} B ({profile.total_memory / GiB:.2f} GiB); "
                           f"give at most that, or null to use the card's")
@@ -162,9 +162,14 @@ def check(device_memory: int | None, train: dict, dist: dict, attention: str, pr
                               f"{minor}) has no bfloat16 kernels (they need sm80+); use float16 or float32")
 
 
-def capacity(device_memory: int | None, profile: DeviceProfile | None) -> int | None:
-    """The device bytes a point may use: measure.device_memory where set (a smaller card imposed on this one),
-    else the card's total_memory, else none (unbounded)."""
+UNBOUNDED = "unbounded"  # measure.device_memory: no capacity (estimate, cpu), the card's kernels still its own
+
+
+def capacity(device_memory: int | str | None, profile: DeviceProfile | None) -> int | None:
+    """The device bytes a point may use: measure.device_memory where set (a smaller card imposed on this one;
+    "unbounded": none), else the card's total_memory, else none (unbounded)."""
+    if device_memory == UNBOUNDED:
+        return None
     if device_memory is not None:
         return device_memory
     return profile.total_memory if profile is not None else None

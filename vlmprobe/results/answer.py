@@ -18,7 +18,7 @@ from vlmprobe.gpu import device_profile
 from vlmprobe.sizes import GiB
 from vlmprobe.states import Status
 
-__all__ = ["OUTPUTS", "answer_lines", "json_lines", "verdict"]
+__all__ = ["OUTPUTS", "answer_lines", "json_lines", "shown", "verdict"]
 
 OUTPUTS = ("text", "json")  # the top-level `output=`: the table and verdicts, or the rows as JSON lines
 

@@ -28,6 +28,7 @@ from vlmprobe.results.provenance import environment, write_env
 from vlmprobe.results.report import write_reports
 from vlmprobe.results.table import columns_for, replacing
 from vlmprobe.run import launchers
+from vlmprobe.run.advise import Advisor
 from vlmprobe.run.max_batch import MaxBatchSearch
 from vlmprobe.run.resume import check_resume, locked
 from vlmprobe.run.sweep import Runner, run_point
@@ -61,7 +62,8 @@ def run(cfg, overrides: list[str], compose, state: dict) -> int:
 def run_planned(base: dict, backend: str, note: str | None, overrides: list[str], compose, state: dict) -> int:
     """run() from the planning on."""
     search = MaxBatchSearch(compose, overrides, base) if base["find"] else None
-    planned = search.planned if search else plan(compose, overrides, base)
+    advisor = Advisor(compose, overrides, base) if base["advise"] else None
+    planned = search.planned if search else advisor.planned if advisor else plan(compose, overrides, base)
     if note:
         say(note)
     for path in sorted({str(p.config["dist"]["deepspeed_config"]) for p in planned
@@ -70,18 +72,22 @@ def run_planned(base: dict, backend: str, note: str | None, overrides: list[str]
             say(line)
     for line in notices(planned):
         say(line)
-    what = counted(len(planned), "configuration to bisect" if search else "point")
+    what = (counted(len(planned), "configuration to bisect") if search else
+            f"your point and {counted(len(planned) - 1, 'knob')} to try" if advisor else counted(len(planned), "point"))
     if base["dry_run"]:
         say(f"vlmprobe: dry run: {what} planned and valid, backend {backend}; nothing run, nothing written")
         return 0
     axes, columns = table_axes(base, search is not None)
+    if advisor:
+        columns = columns_for(advisor.keys)
     out_dir = results_dir(base, state)
     with locked(out_dir):
-        return run_in(out_dir, planned, search, base, backend, what, axes, columns, overrides)
+        return run_in(out_dir, planned, search or advisor, base, backend, what, axes, columns, overrides)
 
 
 def run_in(out_dir: Path, planned: list, search, base: dict, backend: str, what: str, axes: list[str],
            columns: list[str], overrides: list[str]) -> int:
+    """`search`: a MaxBatchSearch or an Advisor that runs the points itself, or None."""
     """run_planned() in its results dir, held (resume.locked): the rows, then the tables."""
     runner = Runner(out_dir, columns)
     runner.check_kept(planned)
@@ -91,31 +97,35 @@ def run_in(out_dir: Path, planned: list, search, base: dict, backend: str, what:
         write_env(out_dir / "env.json", env)
     interrupted = None
     try:
-        if search:
+        if isinstance(search, Advisor):
+            search.run(runner, lambda points, runs: launchers.run_sweep(points, runs, base["launcher"]))
+        elif search:
             search.run(runner)
         else:
             launchers.run_sweep(planned, runner, base["launcher"])
     except KeyboardInterrupt as exc:  # the CSV holds every finished row: make the tables from them, then say so
         interrupted = exc
     table, failures = write_reports(out_dir, axes, env)
+    advice = None
     if search and not interrupted:
-        search.report(out_dir)
+        advice = search.report(out_dir)
     for failure in failures:
         say(f"vlmprobe: {failure}")
     if interrupted:
         raise interrupted
     written = ", ".join(n for n in WRITTEN if (out_dir / n).exists())
     say(f"vlmprobe: wrote {out_dir}: {written} ({counted(len(table), 'row')})")
-    answer(table, base["output"])
+    answer(table, base["output"], advice if isinstance(search, Advisor) else None)
     failed = [s for s in runner.statuses if s not in (Status.OK, Status.OOM, Status.SKIPPED)]
     if runner.statuses and len(failed) == len(runner.statuses):
         return 1
     return 1 if base["fail_on_oom"] and (table["status"] == Status.OOM).any() else 0
 
 
-def answer(table, output: str) -> None:
-    """The rows' answer on stdout (vlmprobe.results.answer): the table and verdicts, or JSON lines."""
-    lines = answer_lines(table) if output == "text" else json_lines(table)
+def answer(table, output: str, advice: list[str] | None = None) -> None:
+    """The rows' answer on stdout (vlmprobe.results.answer): the table and verdicts (or the advisor's lines), or
+    JSON lines."""
+    lines = json_lines(table) if output == "json" else advice or answer_lines(table)
     try:
         print("\n".join(lines), flush=True)
     except BrokenPipeError:  # `| head`: the reader has what it wanted
