@@ -29,6 +29,7 @@ FAMILIES = {  # tiny config -> data that fits it (the images take 16 tokens in e
     "glm4v_tiny": ["data.batch_size=2", "data.lm_max_length=48"],
     "glm4v_moe_tiny": ["data.batch_size=2", "data.lm_max_length=48"],
     "llava_pixtral_tiny": ["data.batch_size=2", "data.lm_max_length=48"],  # 6 image tokens: 2 rows of 2 and a break
+    "deepseek_vl2_toy": ["data.batch_size=2", "data.lm_max_length=48"],  # 13 image tokens: view, separator, tile
 }
 # the projector of each family where it is a module of its own (Qwen's merger, and Qwen3-VL's DeepStack
 # projectors, live inside its vision tower, frozen with it)
@@ -38,7 +39,8 @@ PROJECTORS = {"qwen2_5_vl_tiny": set(), "qwen3_vl_tiny": set(), "qwen3_vl_moe_ti
               "internvl_tiny": {"multi_modal_projector"}, "paligemma_tiny": {"multi_modal_projector"},
               "llava_onevision_tiny": {"multi_modal_projector", "image_newline"},
               "mistral3_tiny": {"multi_modal_projector"}, "glm4v_tiny": set(), "glm4v_moe_tiny": set(),
-              "llava_pixtral_tiny": {"multi_modal_projector"}}
+              "llava_pixtral_tiny": {"multi_modal_projector"},
+              "deepseek_vl2_toy": {"projector", "image_newline", "view_seperator"}}
 BYTE_COLUMNS = ("peak_allocated_bytes", "last_step_peak_allocated_bytes", "forward_peak_bytes", "backward_peak_bytes",
                 "optimizer_peak_bytes", "after_load_bytes", "activations_bytes", "grads_bytes", "optimizer_state_bytes",
                 "params_bytes")
@@ -98,7 +100,7 @@ SLOW_SETTINGS = {"fp32", "fp32+bf16_autocast"}
 
 # Families added later keep one setting (every knob at once) in the non-slow suite, within its time budget
 ONE_FAST_SETTING = {"qwen3_vl_tiny", "qwen3_vl_moe_tiny", "llava_next_tiny", "llava_onevision_tiny", "mistral3_tiny",
-                    "glm4v_tiny", "glm4v_moe_tiny", "llava_pixtral_tiny"}
+                    "glm4v_tiny", "glm4v_moe_tiny", "llava_pixtral_tiny", "deepseek_vl2_toy"}
 
 
 @pytest.mark.parametrize("family,setting", [
@@ -119,6 +121,8 @@ UNUSED = {"llava_tiny": ("model.vision_tower.encoder.layers.1.", "model.vision_t
 UNUSED["llava_next_tiny"] = UNUSED["llava_tiny"]
 # LLaVA-OneVision's vision_feature_layer -1 is the last layer's output before SigLIP's post_layernorm
 UNUSED["llava_onevision_tiny"] = ("model.vision_tower.post_layernorm.",)
+# DeepSeek-VL2's tower keeps the attention-pooling head timm's global_pool="map" builds, and never runs it
+UNUSED["deepseek_vl2_toy"] = ("model.vision.head.",)
 
 
 @pytest.mark.parametrize("family", FAMILIES)

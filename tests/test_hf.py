@@ -149,7 +149,7 @@ def _write(path, text):
     ("not JSON", r"model.config=.*/broken.json is not allowed: it cannot be read as JSON"),
     ("not an object", r"model.config=.*/list.json is not allowed: it is JSON but not an object of config keys"),
     ("unsupported family", r"model.config=.*/molmo is not allowed: its model_type 'molmo' is not a family vlmprobe "
-                           r"builds \(supported: gemma3, glm4v, glm4v_moe, idefics3, internvl, internvl_chat, llava, llava_next, llava_onevision, mistral3, mllama, "
+                           r"builds \(supported: deepseek_vl_v2, gemma3, glm4v, glm4v_moe, idefics3, internvl, internvl_chat, llava, llava_next, llava_onevision, mistral3, mllama, "
                            r"paligemma, qwen2_5_vl, qwen2_vl, qwen3_vl, qwen3_vl_moe, smolvlm\)"),
     ("no model_type", r"model.config=.*/bare.json is not allowed: its model_type None is not a family"),
 ])

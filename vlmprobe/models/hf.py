@@ -32,6 +32,7 @@ FAMILIES = {
     "smolvlm": "idefics3.SmolVLMSpec", "gemma3": "gemma3.Gemma3Spec", "mllama": "mllama.MllamaSpec",
     "internvl": "internvl.InternVLSpec", "paligemma": "paligemma.PaliGemmaSpec", "mistral3": "mistral3.Mistral3Spec",
     "glm4v": "glm4v.Glm4vSpec", "glm4v_moe": "glm4v.Glm4vMoeSpec",
+    "deepseek_vl_v2": "deepseek_vl2.DeepseekVL2Spec",
     "internvl_chat": "internvl.InternVLSpec",  # the InternVL repository's format, mapped to the native model
 }
 
