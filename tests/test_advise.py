@@ -7,7 +7,7 @@ import pytest
 
 from conftest import run_cli
 from vlmprobe.errors import ConfigError
-from vlmprobe.run.advise import margin_bytes
+from vlmprobe.sizes import margin_bytes
 
 POINT = ["model=qwen2_vl_tiny", "data.batch_size=4", "data.lm_max_length=256", "measure.backend=estimate",
          "launcher=local"]
@@ -41,12 +41,12 @@ def test_the_advisor_ranks_knobs_and_its_same_training_set_fits_when_run_against
 
 
 @pytest.mark.parametrize("value,message", [
-    (0.7, "advise.margin=0.7 is not allowed: give a fraction of the card's memory in [0, 0.5)"),
-    ("30GiB", "advise.margin='30GiB' is not allowed: give a size below the card's"),
+    (0.7, "advise.margin=0.7 is not allowed: give a fraction of the memory in [0, 0.5)"),
+    ("30GiB", "advise.margin='30GiB' is not allowed: give a size below the 25,769,803,776 B it is kept from"),
 ])
 def test_a_margin_out_of_range_is_refused_in_one_line(value, message):
     with pytest.raises(ConfigError, match=message.replace("[", r"\[").replace(")", r"\)").replace("(", r"\(")):
-        margin_bytes(value, 24 * 2**30)
+        margin_bytes(value, 24 * 2**30, "advise.margin")
 
 
 def test_advice_without_a_card_or_on_a_card_smaller_than_the_4_bit_weights_is_refused(tmp_path):

@@ -35,7 +35,7 @@ BAD_INPUT = {
     "betas torch refuses": (["model=nanovlm_tiny", "+optimizer.betas=[2,3]"],
                             "is not allowed: torch.optim.AdamW refuses it: Invalid beta parameter at index 0: 2"),
     "unknown top-level key": (["model=nanovlm_tiny", "nosuchkey=1"],
-                              "nosuchkey=1 is not allowed: 'nosuchkey' is not a config key (keys there: data, "),
+                              "nosuchkey=1 is not allowed: 'nosuchkey' is not a config key (keys there: advise, data, "),
     "unknown data key": (["model=nanovlm_tiny", "data.nosuch=1"],
                          "data.nosuch=1 is not allowed: data has no key 'nosuch' (keys there: batch_size, "),
     "axis without a sweep": (["model=nanovlm_tiny", "sweep.axes.data.batch_size=[1,2]"],
@@ -46,7 +46,7 @@ BAD_INPUT = {
                                 "of this sweep; add it as a new axis with +sweep.axes={model:[nanovlm_tiny,qwen2_vl_tiny]}"),
     "a key given in a dict": (["train.grad_ckpt={lm:true,nosuch:1}"],
                               "train.grad_ckpt={lm:true,nosuch:1} is not allowed: train.grad_ckpt has no key 'nosuch' "
-                              "(keys there: lm, vision)"),
+                              "(keys there: lm, offload, vision)"),
     "negative timeout": (["model=nanovlm_tiny", "measure.timeout_s=-1"],
                          "measure.timeout_s=-1 is not allowed: give seconds > 0, or null for no limit"),
     "Qwen image below 28 px": (["model=qwen2_vl_2b", "data.image_size=3"],
@@ -60,7 +60,7 @@ BAD_INPUT = {
     "model hyperparameter its constructor refuses": (["model=nanovlm_tiny", "model.text.hidden_size=-8"],
                                                      "model=nanovlm_tiny with its settings is not allowed: NanoVLMSpec"),
     "an axis value that is not a group option": (["+sweep=smoke", "+sweep.axes.model=[nanovlm_tiny,nope]"],
-                                                 "model='nope' is not allowed: use one of gemma3_4b, gemma3_tiny, glm4_1v_9b, glm4_5v, glm4v_moe_tiny, glm4v_tiny, hf, idefics3_tiny"),
+                                                 "model='nope' is not allowed: use one of deepseek_vl2_small, deepseek_vl2_tiny, deepseek_vl2_toy, gemma3_4b, gemma3_tiny, glm4_1v_9b, glm4_5v, glm4v_moe_tiny, glm4v_tiny, hf, idefics3_tiny"),
     "a flag": (["--cfg", "hydra"], "--cfg is not allowed: vlmprobe takes only overrides"),
     "unparsable": (["data.batch_size=[1,"], "data.batch_size=[1, is not allowed: Hydra cannot parse it"),
     "removing a key vlmprobe reads": (["~data"], "~data is not allowed: vlmprobe reads every config key"),
@@ -83,7 +83,7 @@ BAD_INPUT = {
                                                   "+model.vision.nosuch=1 is not allowed: model.vision has no key "
                                                   "'nosuch', and vlmprobe would never read it (keys there: "),
     "a top-level key added with +": (["+nosuch=1"], "+nosuch=1 is not allowed: 'nosuch' is not a config key, and "
-                                                    "vlmprobe would never read it (keys there: data, device, "),
+                                                    "vlmprobe would never read it (keys there: advise, data, device, "),
     "a tower a million layers deep": (["model=nanovlm_tiny", "model.text.num_hidden_layers=1000000"],
                                       "model.text.num_hidden_layers=1000000 is not allowed: vlmprobe builds at most 256 "
                                       "layers a tower (the deepest published VLM towers have 100 or fewer); give at "

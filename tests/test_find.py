@@ -37,9 +37,26 @@ def test_a_probe_fits_by_its_reserved_peak_where_measured_else_its_allocated_pea
     assert not fits({"status": "oom", "peak_allocated_bytes": 10, "peak_reserved_bytes": None}, 100)
 
 
+def test_a_probe_fits_by_what_the_card_would_show_where_a_card_is_named():
+    row = {"status": "ok", "peak_allocated_bytes": 80, "peak_reserved_bytes": 90, "predicted_device_bytes": 110}
+    assert not fits(row, 100) and fits(row, 110)
+
+
+def test_the_margin_keeps_room_free_below_the_budget(compose):
+    from omegaconf import OmegaConf
+
+    from vlmprobe.run.max_batch import MaxBatchSearch
+
+    overrides = ["+find=max_batch", "model=nanovlm_tiny", "device=rtx3090", "measure.backend=estimate"]
+    search = MaxBatchSearch(compose, overrides, OmegaConf.to_container(compose(overrides), resolve=True))
+    assert search.margin == int(0.05 * 25_438_126_080)  # the default: 5 % of the card
+    overrides.append("find.margin=1GiB")
+    assert MaxBatchSearch(compose, overrides, OmegaConf.to_container(compose(overrides), resolve=True)).margin == 2**30
+
+
 def test_max_batch_mode_reports_a_batch_that_fits_and_one_more_that_does_not(tmp_path):
     # the estimate: a 6 MiB budget is below what a CUDA card needs for its cuBLAS workspace alone
-    proc = run_cli(["+find=max_batch", "memory_budget=6MiB", "measure.backend=estimate", "+sweep=smoke", "~sweep.axes.data.batch_size",
+    proc = run_cli(["+find=max_batch", "memory_budget=6MiB", "find.margin=0", "measure.backend=estimate", "+sweep=smoke", "~sweep.axes.data.batch_size",
                     "sweep.axes.data.lm_max_length=[64]", f"results_dir={tmp_path}"], cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
     (out,) = tmp_path.glob("*/*/")

@@ -8,7 +8,7 @@ from decimal import Decimal
 
 from vlmprobe.errors import ConfigError
 
-__all__ = ["BYTE_UNITS", "GiB", "MiB", "parse_bytes", "segment_bytes_in_message"]
+__all__ = ["BYTE_UNITS", "GiB", "margin_bytes", "MiB", "parse_bytes", "segment_bytes_in_message"]
 
 BYTE_UNITS = {"B": 1, "bytes": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40}  # 1024-based, as CUDA prints
 MiB, GiB = BYTE_UNITS["MiB"], BYTE_UNITS["GiB"]
@@ -46,3 +46,17 @@ def segment_bytes_in_message(message: str) -> int | None:
     segment the allocator tried to reserve, which CUDA prints formatted to 2 decimals."""
     match = _REQUEST.search(message)
     return round(float(match.group(1)) * BYTE_UNITS[match.group(2)]) if match else None
+
+
+def margin_bytes(value, capacity: int, key: str) -> int:
+    """Room kept free of `capacity`, as bytes: a fraction in [0, 0.5) of it (0.05: 5 %), or a size below it."""
+    if isinstance(value, float) or (isinstance(value, int) and not isinstance(value, bool) and value == 0):
+        if not 0 <= value < 0.5:
+            raise ConfigError(f"{key}={value!r} is not allowed: give a fraction of the memory in [0, 0.5) (0.05 keeps "
+                              f"5 % free) or a size like 1GiB")
+        return int(value * capacity)
+    size = parse_bytes(value, key)
+    if size is None or size >= capacity:
+        raise ConfigError(f"{key}={value!r} is not allowed: give a size below the {capacity:,} B it is kept from, or "
+                          f"a fraction in [0, 0.5)")
+    return size

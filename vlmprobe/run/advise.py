@@ -24,7 +24,7 @@ from vlmprobe.errors import ConfigError
 from vlmprobe.gpu import device_profile
 from vlmprobe.gpu.device_profile import UNBOUNDED
 from vlmprobe.results.answer import shown
-from vlmprobe.sizes import GiB, parse_bytes
+from vlmprobe.sizes import GiB, margin_bytes, parse_bytes
 from vlmprobe.states import Status
 
 __all__ = ["Advisor", "Knob", "knobs"]
@@ -104,7 +104,7 @@ class Advisor:
         if self.capacity is None:
             raise ConfigError("device=none is not allowed with +advise=fit: name the card (device=rtx4090, ...) or "
                               "its memory (measure.device_memory=24GiB)")
-        self.margin = margin_bytes(base["advise"].get("margin"), self.capacity)
+        self.margin = margin_bytes(base["advise"].get("margin"), self.capacity, "advise.margin")
         self.usable = self.capacity - self.margin
         self.card = card
         backend = ["measure.backend=estimate"] if base["measure"]["backend"] == "auto" else []
@@ -211,20 +211,6 @@ class Advisor:
         with (out_dir / "summary.md").open("a") as f:
             f.write("\n## +advise=fit\n\n" + shown_table.to_markdown(index=False) + "\n\n" + lines[-1] + "\n")
         return lines
-
-
-def margin_bytes(value, capacity: int) -> int:
-    """advise.margin as bytes: a fraction of `capacity` in [0, 0.5), or a size."""
-    if isinstance(value, float) or (isinstance(value, int) and not isinstance(value, bool) and value == 0):
-        if not 0 <= value < 0.5:
-            raise ConfigError(f"advise.margin={value!r} is not allowed: give a fraction of the card's memory in "
-                              f"[0, 0.5) (0.05 keeps 5 % free) or a size like 1GiB")
-        return int(value * capacity)
-    size = parse_bytes(value, "advise.margin")
-    if size is None or size >= capacity:
-        raise ConfigError(f"advise.margin={value!r} is not allowed: give a size below the card's {capacity:,} B, or a "
-                          f"fraction in [0, 0.5)")
-    return size
 
 
 def gib(value) -> str:

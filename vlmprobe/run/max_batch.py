@@ -1,8 +1,8 @@
 """Largest batch that fits a memory budget: bisect data.batch_size for each configuration of the grid.
 
 A probe fits when its point finishes (`ok`) within the budget (memory_budget, or the total memory of the
-`device=` card when memory_budget is null): its peak reserved bytes (measured on cuda, the allocator model's on
-estimate and cpu), else its peak allocated bytes. Every backend gets the budget as its device capacity
+`device=` card when memory_budget is null) less find.margin: what the card would show (predicted_device_bytes on
+estimate and cpu with a card: reserved + CUDA context; NVML's on cuda), else its peak reserved, else allocated. Every backend gets the budget as its device capacity
 (unless measure.device_memory is set): the allocator model of the estimate and cpu backends, and the caching
 allocator of a larger CUDA card (set_per_process_memory_fraction), run out of memory where a card of that
 size would, retries and cache flushes included; the row's imposed_capacity_bytes says so. Bisection over [low, high] assumes a batch that does not fit means no larger one
@@ -22,17 +22,19 @@ from vlmprobe.config.grid import Point
 from vlmprobe.config.plan import Composer, grid_points, plan_point
 from vlmprobe.errors import ConfigError
 from vlmprobe.gpu import device_profile
-from vlmprobe.sizes import GiB, MiB
-from vlmprobe.sizes import parse_bytes
+from vlmprobe.results.answer import shown
+from vlmprobe.sizes import GiB, MiB, margin_bytes, parse_bytes
 from vlmprobe.states import Status
 
 __all__ = ["fits", "largest_fitting", "MaxBatchSearch"]
 
 
 def fits(row: dict, budget: int) -> bool:
+    """Whether a probe ended `ok` with what the card would show (answer.shown: predicted_device_bytes, NVML's
+    figure, the peak reserved), else its peak allocated, within `budget`."""
     if row["status"] != Status.OK:
         return False
-    peak = row.get("peak_reserved_bytes")
+    peak = shown(row)
     peak = peak if peak is not None else row["peak_allocated_bytes"]
     return peak is not None and peak <= budget
 
@@ -66,6 +68,7 @@ class MaxBatchSearch:
         if self.budget is None:
             raise ConfigError("memory_budget=null is not allowed with +find=max_batch: give bytes or a size like 24GiB, "
                               "or a card (device=rtx3090, ...) whose total memory is the budget")
+        self.margin = margin_bytes(base["find"].get("margin", 0), self.budget, "find.margin")
         self.low, self.high = base["find"]["low"], base["find"]["high"]
         if not all(isinstance(v, int) and not isinstance(v, bool) for v in (self.low, self.high)) or not 1 <= self.low <= self.high:
             raise ConfigError(f"find.low={self.low!r}, find.high={self.high!r} are not allowed: give integers with 1 <= low <= high")
@@ -95,7 +98,7 @@ class MaxBatchSearch:
                 probes.append(batch_size)
                 return runner.run(self.probe_point(point, batch_size))
 
-            best = largest_fitting(probe, self.low, self.high, self.budget)
+            best = largest_fitting(probe, self.low, self.high, self.budget - self.margin)
             self.found.append({"configuration": point.id, "largest_batch_size": best, "memory_budget_bytes": self.budget,
                                "probes": len(probes), "probed": " ".join(map(str, probes))})
 
@@ -108,7 +111,8 @@ class MaxBatchSearch:
         budget = f"{self.budget / GiB:.2f} GiB" if self.budget >= GiB else f"{self.budget / MiB:.1f} MiB"
         section = (f"\n## Largest batch size that fits {budget} (1 GiB = 1024^3 bytes, 1 MiB = 1024^2 bytes)\n\n"
                    f"Bisected over [{self.low}, {self.high}]; every probe is a row above. A probe fits when it ends `ok`\n"
-                   f"with its peak (reserved where known, else allocated) within the budget.\n\n"
+                   f"with what the card would show (predicted_device_bytes: reserved + CUDA context; else reserved,\n"
+                   f"else allocated) within the budget less find.margin ({self.margin / MiB:,.1f} MiB kept free).\n\n"
                    f"{shown.to_markdown(index=False)}\n")
         with (out_dir / "summary.md").open("a") as f:
             f.write(section)
