@@ -24,7 +24,7 @@ LAYERS = [
     ["vlmprobe.config"],  # what a point is, validated
     ["vlmprobe.point"],  # a point's side of the process boundary
     ["vlmprobe.backends", "vlmprobe.distributed", "vlmprobe.knobs"],
-    ["vlmprobe.estimate", "vlmprobe.steps", "vlmprobe.quantization", "vlmprobe.results"],
+    ["vlmprobe.estimate", "vlmprobe.steps", "vlmprobe.quantization", "vlmprobe.kernels", "vlmprobe.results"],
     ["vlmprobe.gpu", "vlmprobe.models", "vlmprobe.optimizers"],
     ["vlmprobe.sizes", "vlmprobe.script_args"],
     ["vlmprobe", "vlmprobe.errors", "vlmprobe.paths", "vlmprobe.states", "vlmprobe.child", "vlmprobe.interrupt"],

@@ -25,6 +25,7 @@ from vlmprobe.config.overrides import check_group_choices, compose_checked, comp
 from vlmprobe.distributed import options as dist_options
 from vlmprobe.distributed.deepspeed_engine import check_point
 from vlmprobe.errors import ConfigError, refused
+from vlmprobe.kernels import liger
 from vlmprobe.models.base import DataShape
 from vlmprobe.point.build import build_spec
 
@@ -111,6 +112,7 @@ def validate_point(cfg: dict, point: Point) -> tuple[dict, str | None]:
     profile, allocator = checks.check_measure(cfg)
     data = DataShape.from_config(cfg["data"])
     spec, shapes = model_shapes(cfg["model"], data)
+    liger.validate(train, spec, cfg["step"]["name"], cfg["dist"]["name"])  # needs the family: after the spec
     dist_options.validate(cfg["dist"], measure["backend"], cfg.get("find"), cuda.device_count)
     step = checks.check_step(cfg, data, spec)
     cfg["optimizer"] = quantization.optimizer_for(cfg["optimizer"], measure["backend"])

@@ -12,6 +12,7 @@ from hydra.utils import instantiate
 
 from vlmprobe import quantization
 from vlmprobe.errors import ConfigError
+from vlmprobe.kernels import liger
 from vlmprobe.knobs import apply_knobs
 from vlmprobe.models.base import DataShape
 from vlmprobe.steps.dpo import DPOSettings
@@ -51,6 +52,7 @@ def built(spec, engine, train: dict, backend_name: str, meter, mark) -> tuple[to
     gc.collect(0)
     build_peak = meter.peaks()["allocated"]
     mark()  # a kept model's build is replayed to here for this peak (vlmprobe.estimate.replay.built_models)
+    liger.apply(spec, model, train)  # Liger-Kernel's patches (train.liger_kernel), before the knobs
     apply_knobs(spec, model, train)
     model.train()
     return model, build_peak

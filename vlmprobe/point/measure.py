@@ -16,6 +16,7 @@ from vlmprobe import backends, quantization
 from vlmprobe.distributed import engines
 from vlmprobe.estimate.replay.blocks import Mismatch
 from vlmprobe.gpu import alloc_conf, device_profile
+from vlmprobe.kernels import liger
 from vlmprobe.knobs import adapters_disabled
 from vlmprobe.models.base import DataShape
 from vlmprobe.point.build import DTYPES, build_spec, built, model_key, reference_model, step_settings
@@ -147,7 +148,8 @@ def ran_out(backend, meter, report: StepReport, out: dict, message: str) -> None
 
 def read_figures(backend, meter, point: dict, card, report: StepReport, out: dict) -> None:
     """The row's figures from the report and the backend, its notes, and its snapshot where one is written."""
-    meter.notes.extend(quantization.notes(point["train"], backend.name) + quantization.optimizer_notes(point["optimizer"]))
+    meter.notes.extend(quantization.notes(point["train"], backend.name) + quantization.optimizer_notes(point["optimizer"])
+                       + liger.notes(point["train"]))
     out.update(report_columns(report))
     out["imposed_capacity_bytes"] = meter.capacity
     out.update(backend.final_stats(meter))
