@@ -19,7 +19,7 @@ PACKAGE = REPO / "vlmprobe"
 # own; two folders of one layer do not import each other. docs/architecture.md draws the same layers.
 LAYERS = [
     ["vlmprobe.__main__"],
-    ["vlmprobe.cli"],
+    ["vlmprobe.cli", "vlmprobe.api"],  # the command line; the same from Python
     ["vlmprobe.run"],  # the sweep's side of the process boundary
     ["vlmprobe.config"],  # what a point is, validated
     ["vlmprobe.point"],  # a point's side of the process boundary

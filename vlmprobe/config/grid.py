@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from vlmprobe.errors import ConfigError
 
-__all__ = ["expand", "flatten_axes", "flatten_cases", "Point"]
+__all__ = ["expand", "flatten_axes", "format_value", "flatten_cases", "Point"]
 
 
 @dataclass(frozen=True)

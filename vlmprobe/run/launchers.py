@@ -17,7 +17,7 @@ from __future__ import annotations
 import os
 import sys
 
-from tqdm import tqdm
+from tqdm.auto import tqdm
 
 from vlmprobe import child
 from vlmprobe.backends import cuda

@@ -16,7 +16,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pandas as pd
-from tqdm import tqdm
+from tqdm.auto import tqdm
 
 from vlmprobe.config.grid import Point
 from vlmprobe.config.plan import Composer, grid_points, plan_point

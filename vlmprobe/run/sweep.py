@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
-from tqdm import tqdm
+from tqdm.auto import tqdm
 
 from vlmprobe import interrupt
 from vlmprobe.errors import ConfigError
