@@ -66,3 +66,17 @@ def test_help_lists_the_options_of_each_group_and_cfg_job_prints_the_composed_co
     assert "name: qwen2_vl_2b" in job.stdout and "batch_size: 3" in job.stdout
     bad = run_cli(["data.batch_size=[1,", "--cfg", "job"], cwd=tmp_path)
     assert bad.returncode == 2 and bad.stderr.startswith("vlmprobe: data.batch_size=[1, is not allowed")
+
+
+def test_the_plot_draws_the_card_the_rows_ran_against_and_the_peak_in_its_parts(tmp_path):
+    from vlmprobe.results.answer import breakdown
+    from vlmprobe.results.report import card, plot
+
+    figures = row(peak_allocated_bytes=10 * GiB, params_bytes=4 * GiB, grads_bytes=GiB, optimizer_state_bytes=2 * GiB,
+                  imposed_capacity_bytes=25_386_352_640, sweep="single", model="m", backend="estimate")
+    assert breakdown(figures) == {"weights": 4 * GiB, "gradients": GiB, "optimizer state": 2 * GiB, "rest": 3 * GiB}
+    table = pd.DataFrame([figures])
+    assert card(table) == {"capacity_bytes": 25_386_352_640, "capacity_label": "NVIDIA GeForce RTX 4090 capacity"}
+    assert card(pd.concat([table, table.assign(imposed_capacity_bytes=GiB)])) == {}  # no one card to draw
+    plot(table, [], tmp_path / "plot.png", **card(table))
+    assert (tmp_path / "plot.png").stat().st_size > 0

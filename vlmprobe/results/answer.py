@@ -18,7 +18,7 @@ from vlmprobe.gpu import device_profile
 from vlmprobe.sizes import GiB
 from vlmprobe.states import Status
 
-__all__ = ["OUTPUTS", "answer_lines", "json_lines", "shown", "verdict"]
+__all__ = ["OUTPUTS", "answer_lines", "breakdown", "card_name", "json_lines", "records", "shown", "verdict"]
 
 OUTPUTS = ("text", "json")  # the top-level `output=`: the table and verdicts, or the rows as JSON lines
 
@@ -85,13 +85,23 @@ COLUMNS = ("point", "status", "peak alloc", "peak reserved", "on the card", "cap
            "optimizer", "rest", "peak in")
 
 
+PARTS = {"weights": "params_bytes", "gradients": "grads_bytes", "optimizer state": "optimizer_state_bytes"}
+
+
+def breakdown(row: dict) -> dict[str, int | None]:
+    """The peak allocated, in parts: weights, gradients and optimizer state as the row measured them, and the rest
+    (activations, the loss, workspaces) as the difference; None where a figure is missing."""
+    peak = figure(row, "peak_allocated_bytes")
+    parts = {name: figure(row, key) for name, key in PARTS.items()}
+    known = None not in parts.values() and peak is not None
+    return {**parts, "rest": peak - sum(parts.values()) if known else None}
+
+
 def cells(row: dict) -> list[str]:
     peak, capacity, need = figure(row, "peak_allocated_bytes"), figure(row, "imposed_capacity_bytes"), shown(row)
-    parts = [figure(row, k) for k in ("params_bytes", "grads_bytes", "optimizer_state_bytes")]
-    rest = peak - sum(parts) if peak is not None and None not in parts else None
     left = capacity - need if capacity is not None and need is not None and row["status"] == Status.OK else None
     return [str(row["point_id"]), str(row["status"]), gib(peak), gib(figure(row, "peak_reserved_bytes")),
-            gib(figure(row, "predicted_device_bytes")), gib(capacity), gib(left), *map(gib, parts), gib(rest),
+            gib(figure(row, "predicted_device_bytes")), gib(capacity), gib(left), *map(gib, breakdown(row).values()),
             str(row.get("peak_phase") or "-")]
 
 

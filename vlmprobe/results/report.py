@@ -12,6 +12,7 @@ import pandas as pd
 
 from vlmprobe.errors import WriteError, first_line, log_internal_error
 from vlmprobe.results import finding, published
+from vlmprobe.results.answer import breakdown, card_name, records
 from vlmprobe.results.table import axis_column, mib, pivot, read_table, replacing, value_text
 from vlmprobe.sizes import GiB
 from vlmprobe.states import Status
@@ -54,7 +55,7 @@ def write_reports(out_dir: Path, axes: list[str], env: dict) -> tuple[pd.DataFra
     if len(table):
         overlay = dict(capacity_bytes=published.DEVICE_BYTES, capacity_label=f"{published.DEVICE} capacity",
                        reference=published.load(), reference_label=f"published ({published.DEVICE})")
-        attempt("plot.png", lambda: plot(shown, axes, out_dir / "plot.png", **(overlay if matched else {})))
+        attempt("plot.png", lambda: plot(shown, axes, out_dir / "plot.png", **(overlay if matched else card(table))))
     return table, failures
 
 
@@ -273,6 +274,16 @@ def pyplot():
     return plt
 
 
+def card(table: pd.DataFrame) -> dict:
+    """The capacity line the rows ran against, where they share one (plot's capacity arguments); none otherwise."""
+    capacities = table["imposed_capacity_bytes"].dropna().unique() if "imposed_capacity_bytes" in table else []
+    if len(capacities) != 1:
+        return {}
+    names = {card_name(row) for row in records(table)} - {None}
+    return {"capacity_bytes": int(capacities[0]),
+            "capacity_label": f"{names.pop()} capacity" if len(names) == 1 else "capacity"}
+
+
 def plot(table: pd.DataFrame, axes: list[str], path: Path, capacity_bytes: int | None = None,
          reference: pd.DataFrame | None = None, capacity_label: str = "capacity",
          reference_label: str = "reference") -> None:
@@ -284,6 +295,8 @@ def plot(table: pd.DataFrame, axes: list[str], path: Path, capacity_bytes: int |
     """
     plt = pyplot()
 
+    if not axes and len(table) == 1:  # one point: its breakdown against the card
+        return bar_plot(table, ["point_id"], path, capacity_bytes, capacity_label)
     x = "batch_size" if "data.batch_size" in axes or not axes else axis_column(axes[0])
     if "dist.world_size" in axes and x != "batch_size":  # per-GPU memory against the number of GPUs
         x = "world_size"
@@ -344,15 +357,24 @@ def bar_plot(table: pd.DataFrame, columns: list[str], path: Path, capacity_bytes
 
     labels = [", ".join(cell_text(v) for v in row) for row in table[columns].itertuples(index=False)]
     gib = [float(v) / GiB if s == Status.OK else 0.0 for v, s in zip(table["peak_allocated_bytes"], table["status"])]
-    fig, ax = plt.subplots(figsize=(10, 1.2 + 0.38 * len(labels)))
+    fig, ax = plt.subplots(figsize=(10, 1.6 + 0.38 * len(labels)))
     rows = range(len(labels))
-    ax.barh(rows, gib, color="C0")
+    parts = [breakdown(row) if row["status"] == Status.OK else {} for row in records(table)]
+    if all(p and None not in p.values() for p in parts):  # stacked: weights, gradients, optimizer state, the rest
+        left = [0.0] * len(labels)
+        for i, name in enumerate(parts[0]):
+            widths = [p[name] / GiB for p in parts]
+            ax.barh(rows, widths, left=left, color=("C0", "C1", "C2", "C7")[i], label=name)
+            left = [a + b for a, b in zip(left, widths)]
+    else:
+        ax.barh(rows, gib, color="C0")
     for row, (value, status) in enumerate(zip(gib, table["status"])):
         ax.annotate(f"{value:,.2f}" if status == Status.OK else status.upper(), (value, row), xytext=(4, 0),
                     textcoords="offset points", va="center", fontsize=8)
     if capacity_bytes:
         ax.axvline(capacity_bytes / GiB, color="red", linestyle=":", label=f"{capacity_label}: {capacity_bytes / GiB:.2f} GiB")
-        ax.legend(fontsize=8, loc="lower right")
+    if capacity_bytes or ax.get_legend_handles_labels()[0]:
+        ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     ax.set_yticks(list(rows), labels, fontsize=8)
     ax.invert_yaxis()  # first point on top, as in the tables
     ax.set_xlabel("peak allocated memory (GiB = 1024^3 B)")
