@@ -64,7 +64,7 @@ def resolve_backend(name: str) -> str:
 
 def check_train(train: dict, backend: str, dist: str) -> None:
     """The knobs, QLoRA's settings and the dtypes."""
-    validate_knobs(train)
+    validate_knobs(train, dist)
     quantization.validate(train, backend, dist)
     if train["param_dtype"] not in DTYPE_NAMES:
         raise ConfigError(f"train.param_dtype={train['param_dtype']!r} is not allowed: use one of {', '.join(DTYPE_NAMES)}")
