@@ -114,6 +114,9 @@ def check_step(cfg: dict, data, spec):
     if name not in STEPS:
         raise ConfigError(f"step.name={name!r} is not allowed: use one of {', '.join(STEPS)} (step=sft | step=grpo | "
                           f"step=dpo)")
+    if data.packing and name != "sft":  # the rollout's and the pairs' batches are built unpacked
+        raise ConfigError(f"data.packing=true is not allowed with step={name}: packed batches are modelled for "
+                          f"step=sft; use data.packing=false")
     return step_settings(cfg, data, spec)
 
 

@@ -12,8 +12,10 @@ import functools
 import sys
 from unittest import mock
 
+import torch
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor
+from torch.utils._python_dispatch import _disable_current_modes
 
 __all__ = ["fake_modules_move_by_data", "HOST_INDEX_TENSORS_REAL", "host_index_tensors_real",
            "real_run_answers_for_fake_batches"]
@@ -25,10 +27,10 @@ def real_run_answers_for_fake_batches():
 
     transformers takes fake tensors for tracing, and for a data-dependent decision then assumes the worst case,
     materialising masks (and repeating K/V) that a real run of the same batch skips. Synthetic batches hold one
-    unpadded sequence per sample, so each decision below gets the real run's answer, and the ops a real run
-    makes to decide are still made, so the allocations match. Where transformers' masking code is not imported,
-    no model here runs it (a transformers family imports it with its spec: models.base.TRANSFORMERS_MODULES),
-    and nothing is patched.
+    unpadded sequence per sample, or several in one row whose positions are constants (data.packing), so each
+    decision below gets the real run's answer, and the ops a real run makes to decide are still made, so the
+    allocations match. Where transformers' masking code is not imported, no model here runs it (a transformers
+    family imports it with its spec: models.base.TRANSFORMERS_MODULES), and nothing is patched.
     """
     masking_utils = sys.modules.get("transformers.masking_utils")
     if masking_utils is None:
@@ -36,12 +38,16 @@ def real_run_answers_for_fake_batches():
         return
     flash_masks = masking_utils.AttentionMaskInterface._global_mapping
     with contextlib.ExitStack() as stack:
-        for name, answer in (("find_packed_sequence_indices", not_packed),
+        for name, answer in (("find_packed_sequence_indices", functools.partial(packed_sequences_read, masking_utils)),
                              ("_ignore_bidirectional_mask_sdpa", bidirectional_mask_read),
                              ("_ignore_causal_mask_sdpa", functools.partial(causal_mask_read, masking_utils))):
             stack.enter_context(mock.patch.object(masking_utils, name, answer(getattr(masking_utils, name))))
         flash = flash_mask_read(flash_masks["flash_attention_2"])
         stack.enter_context(replaced_item(flash_masks, "flash_attention_2", flash))
+        fa_utils = sys.modules.get("transformers.modeling_flash_attention_utils")  # imported with masking_utils
+        if fa_utils is not None:
+            stack.enter_context(mock.patch.object(fa_utils, "_is_packed_sequence",
+                                                  packed_positions_read(fa_utils._is_packed_sequence)))
         yield
 
 
@@ -56,17 +62,47 @@ def replaced_item(mapping: dict, key, value):
         mapping[key] = original
 
 
-def not_packed(original):
-    """find_packed_sequence_indices cannot read fake position ids, so it reports a packed batch, and the model
-    materialises a (B, 1, L, L) mask and repeats K/V for SDPA: the real answer is "not packed" (None)."""
+def packed_sequences_read(masking_utils, original):
+    """find_packed_sequence_indices does not read fake position ids (transformers takes fakes for tracing), so it
+    reports a packed batch, and the model materialises a (B, 1, L, L) mask and repeats K/V for SDPA. Read as a
+    real run reads them: constant ones (a packed batch's, vlmprobe.models.packing) by their values, the function
+    told it is not tracing them, so that it makes its read where a real run does; any other (the model's own
+    aranges) hold one unpadded sequence per row, "not packed" (None), after the ops a real run makes to decide."""
     def find_packed_sequence_indices(position_ids):
-        packed = original(position_ids)
+        if isinstance(position_ids, FakeTensor) and position_ids.constant is not None:
+            tracing = masking_utils.is_tracing
+            masking_utils.is_tracing = lambda t=None: (t.constant is None if isinstance(t, FakeTensor) else tracing(t))
+            try:
+                packed = original(position_ids)
+            finally:
+                masking_utils.is_tracing = tracing
+            if not isinstance(packed, FakeTensor) or packed.constant is not None:
+                return packed
+        else:
+            packed = original(position_ids)
         if isinstance(packed, FakeTensor):
             (packed[:, -1] == 0).all()  # what a real run computes to decide, then reads
             return None
         return packed
 
     return find_packed_sequence_indices
+
+
+def packed_positions_read(original):
+    """Flash attention decides in every layer whether the positions hold several sequences (_is_packed_sequence:
+    positions against a fresh arange, summed and read as a bool); the arange is no constant, so a fake read gets
+    the tracker's answer (False) and a packed batch would run unpacked. Read as a real run reads it, after the
+    same ops: constant positions (a packed batch's, vlmprobe.models.packing) by their values, on the host outside
+    every mode (nothing charged); any other as before."""
+    def is_packed_sequence(position_ids, batch_size):
+        answer = original(position_ids, batch_size)
+        if isinstance(answer, FakeTensor) and position_ids.constant is not None:
+            with _disable_current_modes():
+                positions = position_ids.constant
+                return bool((positions != torch.arange(positions.shape[-1]) + positions.min()).any())
+        return answer
+
+    return is_packed_sequence
 
 
 def bidirectional_mask_read(original):

@@ -12,7 +12,8 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import _disable_current_modes
 
-from vlmprobe.errors import ConfigError, whole
+from vlmprobe.errors import ConfigError, require_flags, whole
+from vlmprobe.models.packing import check_packing
 
 __all__ = ["count_params", "DataShape", "filler_text", "hyperparameters", "IGNORE_INDEX", "is_transformers_model",
            "ModelSpec", "prompt_then_text", "torch_init_skipped", "TRANSFORMERS_MODULES", "unwrapped"]
@@ -38,6 +39,7 @@ class DataShape:
     video_max_pixels: int | None = None  # cap on H*W per frame; None = the model's video processor's
     video_total_pixels: int | None = None  # cap on frames x H*W per video (qwen-vl-utils' VIDEO_TOTAL_PIXELS); None = none
     video_processor: str = "transformers"  # whose rule sizes the frames: transformers | qwen_vl_utils
+    packing: bool = False  # the micro batch's samples as one row, positions restarting per sample (models/packing.py)
 
     @classmethod
     def from_config(cls, data) -> "DataShape":
@@ -50,6 +52,7 @@ class DataShape:
             value = getattr(shape, name)
             if not whole(value) or value < 0:
                 raise ConfigError(f"data.{name}={value!r} is not allowed: it must be 0 or a positive integer")
+        require_flags("data", {"packing": shape.packing}, ["packing"])
         if shape.video_processor not in VIDEO_PROCESSORS:
             raise ConfigError(f"data.video_processor={shape.video_processor!r} is not allowed: use one of "
                               f"{', '.join(VIDEO_PROCESSORS)}")
@@ -129,7 +132,9 @@ class ModelSpec(abc.ABC):
 
     def validate(self, data: DataShape) -> None:
         """Raise ConfigError (one line) if this model cannot run `data`; cheap, no torch work: the prompt must
-        hold the images, their framing and at least one text token."""
+        hold the images, their framing and at least one text token; a packed batch needs a family that packs."""
+        if data.packing:
+            check_packing(self)
         tokens = self.video_tokens(data) + self.image_tokens(data)  # videos first: a family without them says so
         framing, named = self.prompt_framing(data)
         needed = tokens + framing + 1

@@ -19,7 +19,8 @@ from torch import nn
 
 from vlmprobe.errors import ConfigError
 from vlmprobe.models.base import DataShape, ModelSpec, hyperparameters, prompt_then_text
-from vlmprobe.models.fake_constants import collated
+from vlmprobe.models.fake_constants import collated, constant_tensor
+from vlmprobe.models.packing import packed, restarting_positions
 
 __all__ = ["CHAT_LMS", "InternVLSpec", "native_of_chat"]
 
@@ -143,10 +144,15 @@ class InternVLSpec(ModelSpec):
         input_ids, labels = prompt_then_text(image * data.images_per_sample, data.lm_max_length,
                                              min(self.image_token_id, self.text["vocab_size"]))
         n = data.batch_size * data.images_per_sample * self.tiles(data)
-        return collated(data, device, input_ids, labels, lambda: {
-            "pixel_values": torch.randn(n, self.vision.get("num_channels", 3), self.tile, self.tile,
-                                        dtype=torch.float32, device=device),
-        })
+
+        def images() -> dict:
+            return {"pixel_values": torch.randn(n, self.vision.get("num_channels", 3), self.tile, self.tile,
+                                                dtype=torch.float32, device=device)}
+
+        if data.packing:  # one row, positions restarting per sample (vlmprobe.models.packing)
+            return packed(data, device, input_ids, labels,
+                          lambda: {"position_ids": constant_tensor([restarting_positions(data)], device), **images()})
+        return collated(data, device, input_ids, labels, images)
 
 
 def native_of_chat(raw: dict, name: str) -> tuple[dict, dict]:

@@ -21,6 +21,7 @@ from torch import nn
 from vlmprobe.errors import ConfigError
 from vlmprobe.models.base import IGNORE_INDEX, DataShape, ModelSpec, filler_text, hyperparameters
 from vlmprobe.models.fake_constants import collated, constant_tensor
+from vlmprobe.models.packing import packed, packed_rows
 
 __all__ = ["Qwen2VLSpec", "smart_resize"]
 
@@ -321,8 +322,14 @@ class Qwen2VLSpec(ModelSpec):
         # (repeat_interleave, whose output size fake tensors know only from constants) to resample its
         # position table.
         def inputs() -> dict:
-            made = {"mm_token_type_ids": constant_tensor([types] * b, device),
-                    "position_ids": constant_tensor([[row] * b for row in positions], device)}  # (3, B, L)
+            if data.packing:  # one row (vlmprobe.models.packing): the M-RoPE rows under a text row, (4, 1, B x L)
+                text = list(range(data.lm_max_length))
+                made = {"mm_token_type_ids": constant_tensor(packed_rows(data, [types]), device),
+                        "position_ids": constant_tensor([[row] for row in packed_rows(data, [text, *positions])],
+                                                        device)}
+            else:
+                made = {"mm_token_type_ids": constant_tensor([types] * b, device),
+                        "position_ids": constant_tensor([[row] * b for row in positions], device)}  # (3, B, L)
             if n_images:
                 made.update({
                     "image_grid_thw": constant_tensor([[1, rows, cols]] * n_images, device),
@@ -339,8 +346,10 @@ class Qwen2VLSpec(ModelSpec):
                 })
             return made
 
-        return collated(data, device, input_ids, labels, inputs,
-                        limit=max(n_images * rows * cols, n_videos * frames * v_rows * v_cols))
+        limit = max(n_images * rows * cols, n_videos * frames * v_rows * v_cols)
+        if data.packing:  # transformers reads the text row of the positions: constant, all four rows
+            return packed(data, device, input_ids, labels, inputs, limit=max(limit, 4 * b * data.lm_max_length))
+        return collated(data, device, input_ids, labels, inputs, limit=limit)
 
     # -- generation (step=grpo) -----------------------------------------------------------------------
     can_generate = True
