@@ -20,11 +20,11 @@ def row(**figures) -> dict:
 def test_a_verdict_says_the_room_left_or_how_far_over_from_the_rows_figures():
     capacity = 25_386_352_640  # the RTX 4090's total memory (conf/device/rtx4090.yaml)
     fits = row(imposed_capacity_bytes=capacity, predicted_device_bytes=capacity - 3 * GiB, peak_allocated_bytes=GiB)
-    assert verdict(fits).startswith("p: fits on the NVIDIA GeForce RTX 4090 with 3.00 GiB to spare (20.64 of 23.64 GiB, "
-                                    "peak in backward; its CUDA context taken as 0.74 GiB, not measured on it)")
+    assert verdict(fits).startswith("p: fits on the NVIDIA GeForce RTX 4090 with 3.00 GiB to spare (20.64 GiB of 23.64 "
+                                    "GiB, peak in backward; its CUDA context taken as 760.0 MiB, not measured on it)")
     over = row(imposed_capacity_bytes=capacity, predicted_device_bytes=capacity + GiB // 2, peak_allocated_bytes=GiB)
-    assert verdict(over).startswith("p: does not fit on the NVIDIA GeForce RTX 4090: needs 24.14 GiB, 0.50 GiB over "
-                                    "23.64")
+    assert verdict(over).startswith("p: does not fit on the NVIDIA GeForce RTX 4090: needs 24.14 GiB, 512.0 MiB over "
+                                    "23.64 GiB")
     oom = row(status="oom", peak_phase="forward", imposed_capacity_bytes=capacity, oom_block_bytes=4_982_833_152,
               peak_allocated_bytes=21 * GiB)
     assert verdict(oom) == ("p: does not fit on the NVIDIA GeForce RTX 4090: ran out in forward, asking for 4.64 GiB "
@@ -32,6 +32,8 @@ def test_a_verdict_says_the_room_left_or_how_far_over_from_the_rows_figures():
     free = row(device="none", peak_allocated_bytes=5 * GiB, peak_reserved_bytes=6 * GiB)
     assert verdict(free) == ("p: needs 5.00 GiB allocated, 6.00 GiB reserved, peak in backward (no card given: "
                              "device=NAME gives a verdict)")
+    assert verdict(row(device="none", peak_allocated_bytes=2_516_582, peak_reserved_bytes=4 * 2**20)).startswith(
+        "p: needs 2.4 MiB allocated, 4.0 MiB reserved")  # a tiny model's figures, not 0.00 GiB
 
 
 def test_the_table_breaks_the_peak_into_weights_gradients_optimizer_state_and_the_rest():

@@ -27,6 +27,13 @@ def gib(value) -> str:
     return "-" if value is None else f"{value / GiB:.2f}"
 
 
+def size(value) -> str:
+    """A size in words: GiB from 1 GiB, MiB below (a tiny model's figures are not 0.00 GiB)."""
+    if value is None:
+        return "-"
+    return f"{value / GiB:.2f} GiB" if abs(value) >= GiB else f"{value / 2**20:.1f} MiB"
+
+
 def figure(row: dict, key: str) -> int | None:
     value = row.get(key)
     if value is None or (isinstance(value, float) and math.isnan(value)):
@@ -61,24 +68,23 @@ def verdict(row: dict) -> str:
     if status == Status.OOM:
         asked = figure(row, "oom_block_bytes")
         where = f" in {phase}" if phase else ""
-        need = f", asking for {gib(asked)} GiB" if asked else ""
+        need = f", asking for {size(asked)}" if asked else ""
         held = figure(row, "peak_allocated_bytes")
-        return (f"{name}: does not fit{on}: ran out{where}{need} with {gib(held)} GiB allocated of "
-                f"{gib(capacity)} GiB")
+        return f"{name}: does not fit{on}: ran out{where}{need} with {size(held)} allocated of {size(capacity)}"
     if status != Status.OK:
         return f"{name}: {status}: {str(row.get('error') or '').splitlines()[0] if row.get('error') else 'no figures'}"
     need, peak = shown(row), figure(row, "peak_allocated_bytes")
     where = f", peak in {phase}" if phase else ""
     if capacity is None or need is None:
-        return (f"{name}: needs {gib(peak)} GiB allocated, {gib(figure(row, 'peak_reserved_bytes'))} GiB reserved"
-                f"{where} (no card given: device=NAME gives a verdict)")
+        return (f"{name}: needs {size(peak)} allocated, {size(figure(row, 'peak_reserved_bytes'))} reserved{where} "
+                f"(no card given: device=NAME gives a verdict)")
     left = capacity - need
     if card and figure(row, "predicted_device_bytes") is not None and \
             device_profile.context_note(device_profile.load(row["device"])):
-        where += f"; its CUDA context taken as {gib(device_profile.ASSUMED_CONTEXT_BYTES)} GiB, not measured on it"
+        where += f"; its CUDA context taken as {size(device_profile.ASSUMED_CONTEXT_BYTES)}, not measured on it"
     if left >= 0:
-        return f"{name}: fits{on} with {gib(left)} GiB to spare ({gib(need)} of {gib(capacity)} GiB{where})"
-    return f"{name}: does not fit{on}: needs {gib(need)} GiB, {gib(-left)} GiB over {gib(capacity)}{where}"
+        return f"{name}: fits{on} with {size(left)} to spare ({size(need)} of {size(capacity)}{where})"
+    return f"{name}: does not fit{on}: needs {size(need)}, {size(-left)} over {size(capacity)}{where}"
 
 
 COLUMNS = ("point", "status", "peak alloc", "peak reserved", "on the card", "capacity", "left", "weights", "grads",
