@@ -16,7 +16,7 @@ internvl_tiny; its published files are in test_internvl.py)."""
 import pytest
 import torch
 
-from conftest import TESTS
+from conftest import CONF, TESTS
 from vlmprobe.errors import ConfigError
 from vlmprobe.models.base import count_params
 from vlmprobe.point.measure import measure
@@ -124,7 +124,7 @@ def test_a_hub_name_is_read_from_the_local_cache_only(spec, tmp_path, monkeypatc
     assert count_params(llava.build("meta", torch.bfloat16, init=False))[0] == 7_063_427_072
     with pytest.raises(ConfigError, match=r"model.config=Qwen/Qwen2.5-VL-3B-Instruct is not allowed: no such file or "
                                           r"folder, and no config.json of the hub model .* in the local Hugging Face "
-                                          r"cache \(vlmprobe downloads nothing\); get it with `huggingface-cli download "
+                                          r"cache \(vlmprobe downloads nothing\); get it with `hf download "
                                           r"Qwen/Qwen2.5-VL-3B-Instruct config.json`"):
         spec("model=hf", "model.config=Qwen/Qwen2.5-VL-3B-Instruct")
 
@@ -177,3 +177,17 @@ def test_the_cli_refuses_a_missing_config_in_one_line_and_writes_nothing(tmp_pat
     lines = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(lines) == 1 and "model.config=" in lines[0] and "no such file or folder" in lines[0]
     assert not (tmp_path / "r").exists()
+
+
+def test_a_hub_id_is_the_shipped_config_of_that_model_or_its_cached_config_json():
+    from vlmprobe.config.overrides import with_hub_ids
+    from vlmprobe.models.hub_ids import HUB_IDS
+
+    assert with_hub_ids(["model=Qwen/Qwen2.5-VL-7B-Instruct", "data.batch_size=4"]) == ["model=qwen2_5_vl_7b",
+                                                                                          "data.batch_size=4"]
+    assert with_hub_ids(["model=qwen/qwen2-vl-2b-instruct"]) == ["model=qwen2_vl_2b"]  # the Hub ignores case
+    assert with_hub_ids(["model=acme/Some-VLM"]) == ["model=hf", "model.config=acme/Some-VLM"]
+    assert with_hub_ids(["model=qwen2_vl_2b", "+sweep=smoke"]) == ["model=qwen2_vl_2b", "+sweep=smoke"]
+    for option in set(HUB_IDS.values()):  # each shipped config names one of the ids that map to it, as its source
+        text = (CONF / "model" / f"{option}.yaml").read_text()
+        assert any(hub_id in text for hub_id, target in HUB_IDS.items() if target == option), option

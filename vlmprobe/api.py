@@ -18,7 +18,7 @@ from pathlib import Path
 import pandas as pd
 
 from vlmprobe.config.grid import format_value
-from vlmprobe.config.overrides import compose_command, composing
+from vlmprobe.config.overrides import compose_command, composing, with_hub_ids
 from vlmprobe.errors import ConfigError
 from vlmprobe.results.table import read_table
 from vlmprobe.run import command
@@ -52,7 +52,7 @@ class Result:
 
 
 def overrides_of(args: tuple[str, ...], settings: dict) -> list[str]:
-    return [*args, *(f"{key}={format_value(value)}" for key, value in settings.items())]
+    return with_hub_ids([*args, *(f"{key}={format_value(value)}" for key, value in settings.items())])
 
 
 def run(*args: str, **settings) -> Result:

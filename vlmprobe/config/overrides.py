@@ -17,10 +17,12 @@ from hydra.core.override_parser.overrides_parser import OverridesParser
 from omegaconf import OmegaConf
 
 from vlmprobe.errors import ConfigError, first_line
+from vlmprobe.models.hf import HUB_NAME
+from vlmprobe.models.hub_ids import shipped_option
 from vlmprobe.paths import CONF
 
 __all__ = ["OPEN_NODES", "check_additions", "check_group_choices", "compose_checked", "compose_command", "composing",
-           "resolved"]
+           "resolved", "with_hub_ids"]
 
 _NOT_THERE = re.compile(r"Could not override '([^']+)'")
 _ALREADY = re.compile(r"An item is already at '([^']+)'")
@@ -93,6 +95,21 @@ def resolved(cfg, point: str | None = None) -> dict:
         raise ConfigError(f"{where} is not allowed{in_point}: it does not resolve ({first_line(exc)})") from None
     data.pop("hydra", None)
     return data
+
+
+def with_hub_ids(args: list[str]) -> list[str]:
+    """`model=ORG/NAME` (a Hugging Face Hub id) as the command means it: the shipped config of that model where
+    vlmprobe has one (vlmprobe.models.hub_ids), else `model=hf model.config=ORG/NAME`, its config.json from the
+    local Hugging Face cache (vlmprobe.models.hf: refused in one line, saying how to get it, where it is not there)."""
+    out = []
+    for arg in args:
+        key, sep, value = arg.partition("=")
+        if key == "model" and sep and HUB_NAME.match(value) and not (CONF / "model" / f"{value}.yaml").is_file():
+            option = shipped_option(value)
+            out += [f"model={option}"] if option else ["model=hf", f"model.config={value}"]
+        else:
+            out.append(arg)
+    return out
 
 
 def check_group_choices(args: list[str]) -> None:

@@ -18,7 +18,7 @@ from hydra.utils import get_class
 from vlmprobe.errors import ConfigError
 from vlmprobe.models.base import ModelSpec
 
-__all__ = ["FAMILIES", "family"]
+__all__ = ["FAMILIES", "family", "HUB_NAME"]
 
 HUB_NAME = re.compile(r"^[\w.-]+/[\w.-]+$")
 
@@ -81,7 +81,7 @@ def find_config(config: str) -> Path:
             return cached
         raise ConfigError(f"model.config={config} is not allowed: no such file or folder, and no config.json of the "
                           f"hub model {config} in the local Hugging Face cache (vlmprobe downloads nothing); get it "
-                          f"with `huggingface-cli download {config} config.json` where there is a network, or copy the "
+                          f"with `hf download {config} config.json` where there is a network, or copy the "
                           f"file here and give its path")
     raise ConfigError(f"model.config={config} is not allowed: no such file or folder (give a config.json file or a "
                       f"folder holding one)")
