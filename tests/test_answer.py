@@ -6,7 +6,7 @@ import json
 
 import pandas as pd
 
-from conftest import run_cli
+from conftest import CONF, run_cli
 from vlmprobe.results.answer import answer_lines, verdict
 
 GiB = 2**30
@@ -59,13 +59,19 @@ def test_the_answer_is_on_stdout_a_launch_guard_exits_1_and_an_oom_says_where(tm
     assert record["error"].endswith("alloc-conf)")  # the whole first line, never cut
 
 
-def test_help_lists_the_options_of_each_group_and_cfg_job_prints_the_composed_config(tmp_path):
+def test_help_lists_the_options_and_cfg_job_prints_the_composed_config_own_configs_included(tmp_path):
     shown = run_cli(["--help"], cwd=tmp_path)
     assert shown.returncode == 0 and "  model: " in shown.stdout and "qwen2_5_vl_7b" in shown.stdout
     assert "  +sweep: " in shown.stdout and "  device: " in shown.stdout and "rtx4090" in shown.stdout
     job = run_cli(["model=qwen2_vl_2b", "data.batch_size=3", "--cfg", "job"], cwd=tmp_path)
     assert job.returncode == 0, job.stderr
     assert "name: qwen2_vl_2b" in job.stdout and "batch_size: 3" in job.stdout
+    own = tmp_path / "mine" / "model"
+    own.mkdir(parents=True)
+    (own / "my_qwen.yaml").write_text((CONF / "model" / "qwen2_vl_tiny.yaml").read_text().replace(
+        "name: qwen2_vl_tiny", "name: my_qwen"))
+    mine = run_cli(["--config-dir", str(tmp_path / "mine"), "model=my_qwen", "--cfg", "job"], cwd=tmp_path)
+    assert mine.returncode == 0 and "name: my_qwen" in mine.stdout, mine.stderr
     bad = run_cli(["data.batch_size=[1,", "--cfg", "job"], cwd=tmp_path)
     assert bad.returncode == 2 and bad.stderr.startswith("vlmprobe: data.batch_size=[1, is not allowed")
 

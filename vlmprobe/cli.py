@@ -16,7 +16,7 @@ import logging
 import sys
 
 from vlmprobe import interrupt
-from vlmprobe.config.overrides import compose_command, composing, with_hub_ids
+from vlmprobe.config.overrides import compose_command, composing, with_config_dirs, with_hub_ids
 from vlmprobe.errors import ConfigError, WriteError, first_line, log_internal_error
 from vlmprobe.paths import CONF
 
@@ -29,7 +29,12 @@ def say(line: str) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     """The command; returns its exit code. Every failure is one line on stderr, never a traceback."""
-    argv = with_hub_ids(sys.argv[1:] if argv is None else list(argv))
+    argv = sys.argv[1:] if argv is None else list(argv)
+    try:
+        argv = with_hub_ids(with_config_dirs(argv))
+    except ConfigError as exc:
+        say(f"vlmprobe: {exc}")
+        return 2
     if any(a in ("-h", "--help") for a in argv):
         return show(help_text())
     if argv[:2] == ["--cfg", "job"] or argv[-2:] == ["--cfg", "job"]:  # Hydra's: the composed config, nothing run

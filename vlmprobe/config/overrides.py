@@ -11,6 +11,7 @@ import contextlib
 import difflib
 import functools
 import re
+from pathlib import Path
 
 import hydra
 from hydra.core.override_parser.overrides_parser import OverridesParser
@@ -22,7 +23,7 @@ from vlmprobe.models.hub_ids import shipped_option
 from vlmprobe.paths import CONF
 
 __all__ = ["OPEN_NODES", "check_additions", "check_group_choices", "compose_checked", "compose_command", "composing",
-           "resolved", "with_hub_ids"]
+           "resolved", "with_hub_ids", "with_config_dirs"]
 
 _NOT_THERE = re.compile(r"Could not override '([^']+)'")
 _ALREADY = re.compile(r"An item is already at '([^']+)'")
@@ -104,12 +105,47 @@ def with_hub_ids(args: list[str]) -> list[str]:
     out = []
     for arg in args:
         key, sep, value = arg.partition("=")
-        if key == "model" and sep and HUB_NAME.match(value) and not (CONF / "model" / f"{value}.yaml").is_file():
+        if key == "model" and sep and HUB_NAME.match(value) and value not in group_options(args, "model"):
             option = shipped_option(value)
             out += [f"model={option}"] if option else ["model=hf", f"model.config={value}"]
         else:
             out.append(arg)
     return out
+
+
+SEARCHPATH = "hydra.searchpath"
+
+
+def with_config_dirs(args: list[str]) -> list[str]:
+    """`--config-dir DIR` (Hydra's flag, any number of times): the person's own configs (DIR/model/*.yaml,
+    DIR/sweep/*.yaml, ...) beside vlmprobe's, as one hydra.searchpath override; a folder that does not exist is
+    refused in one line."""
+    dirs, rest, i = [], [], 0
+    while i < len(args):
+        if args[i] in ("--config-dir", "-cd"):
+            if i + 1 == len(args):
+                raise ConfigError(f"{args[i]} is not allowed without a folder: write {args[i]} PATH")
+            folder = Path(args[i + 1]).expanduser().resolve()
+            if not folder.is_dir():
+                raise ConfigError(f"--config-dir {args[i + 1]} is not allowed: no such folder (give a folder holding "
+                                  f"config groups, e.g. PATH/model/my_model.yaml)")
+            dirs.append(folder)
+            i += 2
+        else:
+            rest.append(args[i])
+            i += 1
+    return ([f"{SEARCHPATH}=[{','.join(f'file://{d}' for d in dirs)}]"] if dirs else []) + rest
+
+
+def config_dirs(args: list[str]) -> list[Path]:
+    """vlmprobe's conf/ and the folders a hydra.searchpath override adds (with_config_dirs)."""
+    extra = [a.split("=", 1)[1].strip("[]") for a in args if a.startswith(f"{SEARCHPATH}=")]
+    return [CONF, *(Path(p.removeprefix("file://")) for value in extra for p in value.split(",") if p)]
+
+
+def group_options(args: list[str], group: str) -> list[str]:
+    """The options of a config group across the config folders."""
+    return sorted({p.stem for d in config_dirs(args) for p in (d / group).glob("*.yaml")})
 
 
 def check_group_choices(args: list[str]) -> None:
@@ -119,7 +155,7 @@ def check_group_choices(args: list[str]) -> None:
         group = key.lstrip("+~")
         if not sep or "." in group or not (CONF / group).is_dir():
             continue
-        options = sorted(p.stem for p in (CONF / group).glob("*.yaml"))
+        options = group_options(args, group)
         if value not in options:
             raise ConfigError(f"{group}={value!r} is not allowed: use one of {', '.join(options)}")
         if group == "sweep" and not key.startswith("+"):
