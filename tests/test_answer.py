@@ -56,6 +56,9 @@ def test_the_answer_is_on_stdout_a_launch_guard_exits_1_and_an_oom_says_where(tm
     (record,) = [json.loads(line) for line in out.stdout.splitlines()]
     assert record["status"] == "oom" and record["backend"] == "estimate"
     assert record["peak_phase"] == "forward"  # where it ran out (the step's phases up to it fit in 2 MiB)
+    # what held the memory when it ran out, in the second step's forward: the weights, AdamW's two moments of them
+    # (fp32, a hand count), no gradient (zero_grad sets them to None)
+    assert record["grads_bytes"] == 0 and record["optimizer_state_bytes"] == 2 * record["params_bytes"] > 0
     assert record["error"].endswith("alloc-conf)")  # the whole first line, never cut
 
 

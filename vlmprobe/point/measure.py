@@ -77,6 +77,7 @@ def measure_once(point: dict, replay_blocks: bool) -> dict:
     out: dict = {"backend": backend.name, "status": Status.OK}
     card = device_profile.from_config(point.get("device"))  # the target card, or None
     with session(backend, point, card) as meter, contextlib.ExitStack() as host_memory:
+        loaded, held = None, {}
         try:
             loaded = load(backend, meter, point, spec, data, host_memory, out)
             train(backend, meter, point, spec, data, loaded, report, replay_blocks)
@@ -84,8 +85,21 @@ def measure_once(point: dict, replay_blocks: bool) -> dict:
             if not is_out_of_memory(exc):
                 raise
             ran_out(backend, meter, report, out, str(exc))
+            held = held_when_out(loaded)
         read_figures(backend, meter, point, card, report, out)
+        out.update(held)
     return out
+
+
+def held_when_out(loaded: Loaded | None) -> dict:
+    """An out-of-memory row's gradients and optimizer state as they stood when it ran out (the weights are
+    params_bytes already; the rest of its peak is activations, the loss and workspaces): what filled the memory,
+    in the row's own columns. Nothing where it ran out while loading."""
+    if loaded is None:
+        return {}
+    state = loaded.engine.state_tensors()
+    return {"grads_bytes": loaded.engine.grads_bytes(),
+            "optimizer_state_bytes": sum(t.untyped_storage().nbytes() for t in state)}
 
 
 def session(backend, point: dict, card):
