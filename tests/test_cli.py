@@ -109,7 +109,7 @@ def test_a_sweep_killed_mid_way_leaves_a_readable_csv_with_every_finished_row(tm
 # Two through the real command (exit code, stderr, nothing written); tests/test_bad_input.py has every case
 # in-process, these among them
 BAD = {
-    "unknown model": (["model=nope"], "model='nope' is not allowed: use one of gemma3_4b, gemma3_tiny, glm4_1v_9b, glm4_5v, glm4v_moe_tiny, glm4v_tiny, hf, idefics3_tiny"),
+    "unknown model": (["model=nope"], "model='nope' is not allowed: use one of deepseek_vl2_small, deepseek_vl2_tiny, deepseek_vl2_toy, gemma3_4b, gemma3_tiny, glm4_1v_9b, glm4_5v, glm4v_moe_tiny, glm4v_tiny, hf, idefics3_tiny"),
     "negative lr": (["model=nanovlm_tiny", "optimizer.lr=-1"],
                     "optimizer.lr=-1 is not allowed: torch.optim.AdamW refuses it: Invalid learning rate: -1"),
 }

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-from transformers.core_model_loading import dot_natural_key
 
 __all__ = ["load"]
 
@@ -25,6 +24,10 @@ def load(model: nn.Module, device: torch.device, quantized: list[str], quantize)
     """`model` as ModelSpec.build_empty made it, loaded on `device` as from_pretrained loads a checkpoint of it
     (module doc), random weights in their own dtype; each layer named in `quantized` replaced by `quantize(linear,
     maps)` once its weight is loaded."""
+    # transformers' own sort key of checkpoint names; imported here, as vlmprobe.quantization is imported by every
+    # point and a nanoVLM point never imports transformers' modeling code (tests/test_nanovlm.py)
+    from transformers.core_model_loading import dot_natural_key
+
     layers = set(quantized)
     maps: dict = {}  # the device maps bitsandbytes makes once a process (the stand-in's; real bitsandbytes keeps its own)
     tied = set(getattr(model, "all_tied_weights_keys", None) or {})  # tied copies: not in a checkpoint
