@@ -181,7 +181,7 @@ def test_the_cli_refuses_a_missing_config_in_one_line_and_writes_nothing(tmp_pat
 
 def test_a_hub_id_is_the_shipped_config_of_that_model_or_its_cached_config_json():
     from vlmprobe.config.overrides import with_hub_ids
-    from vlmprobe.models.hub_ids import HUB_IDS
+    from vlmprobe.hub import HUB_IDS
 
     assert with_hub_ids(["model=Qwen/Qwen2.5-VL-7B-Instruct", "data.batch_size=4"]) == ["model=qwen2_5_vl_7b",
                                                                                           "data.batch_size=4"]

@@ -27,7 +27,8 @@ LAYERS = [
     ["vlmprobe.estimate", "vlmprobe.steps", "vlmprobe.quantization", "vlmprobe.kernels", "vlmprobe.results"],
     ["vlmprobe.gpu", "vlmprobe.models", "vlmprobe.optimizers"],
     ["vlmprobe.sizes", "vlmprobe.script_args"],
-    ["vlmprobe", "vlmprobe.errors", "vlmprobe.paths", "vlmprobe.states", "vlmprobe.child", "vlmprobe.interrupt"],
+    ["vlmprobe", "vlmprobe.errors", "vlmprobe.paths", "vlmprobe.states", "vlmprobe.child", "vlmprobe.interrupt",
+     "vlmprobe.hub"],
 ]
 MAX_IMPORTS_IN_FUNCTIONS = 15
 

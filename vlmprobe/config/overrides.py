@@ -18,8 +18,7 @@ from hydra.core.override_parser.overrides_parser import OverridesParser
 from omegaconf import OmegaConf
 
 from vlmprobe.errors import ConfigError, first_line
-from vlmprobe.models.hf import HUB_NAME
-from vlmprobe.models.hub_ids import shipped_option
+from vlmprobe.hub import HUB_NAME, shipped_option
 from vlmprobe.paths import CONF
 
 __all__ = ["OPEN_NODES", "check_additions", "check_group_choices", "compose_checked", "compose_command", "composing",
@@ -100,7 +99,7 @@ def resolved(cfg, point: str | None = None) -> dict:
 
 def with_hub_ids(args: list[str]) -> list[str]:
     """`model=ORG/NAME` (a Hugging Face Hub id) as the command means it: the shipped config of that model where
-    vlmprobe has one (vlmprobe.models.hub_ids), else `model=hf model.config=ORG/NAME`, its config.json from the
+    vlmprobe has one (vlmprobe.hub), else `model=hf model.config=ORG/NAME`, its config.json from the
     local Hugging Face cache (vlmprobe.models.hf: refused in one line, saying how to get it, where it is not there)."""
     out = []
     for arg in args:

@@ -10,17 +10,15 @@ here is refused in one line naming it and the families there are.
 from __future__ import annotations
 
 import json
-import re
 from pathlib import Path
 
 from hydra.utils import get_class
 
 from vlmprobe.errors import ConfigError
+from vlmprobe.hub import HUB_NAME
 from vlmprobe.models.base import ModelSpec
 
-__all__ = ["FAMILIES", "family", "HUB_NAME"]
-
-HUB_NAME = re.compile(r"^[\w.-]+/[\w.-]+$")
+__all__ = ["FAMILIES", "family"]
 
 
 # model_type -> the family's spec class, named as conf/model/*.yaml name it (`_target_`): each family's module

@@ -1,10 +1,15 @@
-"""Hugging Face Hub ids of the models vlmprobe ships a config for: `model=Qwen/Qwen2.5-VL-7B-Instruct` is
-`model=qwen2_5_vl_7b`. An instruct or base checkpoint of the same architecture maps to the same config (the
+"""Hugging Face Hub names: what one looks like, and the ids of the models vlmprobe ships a config for:
+`model=Qwen/Qwen2.5-VL-7B-Instruct` is `model=qwen2_5_vl_7b`. Plain data, no torch: the command line reads it
+before anything heavy is imported. An instruct or base checkpoint of the same architecture maps to the same config (the
 weights differ, the shapes do not). Ids match without regard to case, as the Hub resolves them."""
 
 from __future__ import annotations
 
-__all__ = ["HUB_IDS", "shipped_option"]
+import re
+
+__all__ = ["HUB_IDS", "HUB_NAME", "shipped_option"]
+
+HUB_NAME = re.compile(r"^[\w.-]+/[\w.-]+$")  # ORG/NAME
 
 HUB_IDS = {
     "Qwen/Qwen2-VL-2B-Instruct": "qwen2_vl_2b", "Qwen/Qwen2-VL-2B": "qwen2_vl_2b",
