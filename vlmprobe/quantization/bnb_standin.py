@@ -11,7 +11,6 @@ assumed.
 
 from __future__ import annotations
 
-
 import torch
 from torch import nn
 
