@@ -213,6 +213,20 @@ def h200_requests(batch_size: int) -> dict[int, int]:
     return dict(table.loc[table["point_id"] == point, ["size_bytes", "count"]].itertuples(index=False))
 
 
+@pytest.fixture
+def cli(tmp_path, monkeypatch, capsys):
+    """cli(args) -> (exit code, stderr lines) of `python -m vlmprobe ARGS results_dir=<tmp>/r`, in-process."""
+    from vlmprobe.cli import main
+
+    monkeypatch.chdir(tmp_path)
+
+    def _run(args):
+        code = main([*args, f"results_dir={tmp_path / 'r'}"])
+        return code, capsys.readouterr().err.strip().splitlines()
+
+    return _run
+
+
 def run_cli(args, cwd, env_extra=None, timeout=600):
     """`python -m vlmprobe ARGS` in a subprocess, as a user runs it."""
     env = {**os.environ, **(env_extra or {})}

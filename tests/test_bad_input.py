@@ -12,18 +12,6 @@ from vlmprobe.cli import main
 from vlmprobe.run.resume import check_resume
 
 
-@pytest.fixture
-def cli(tmp_path, monkeypatch, capsys):
-    """cli(args) -> (exit code, stderr lines) of `python -m vlmprobe ARGS results_dir=<tmp>/r`, in-process."""
-    monkeypatch.chdir(tmp_path)
-
-    def _run(args):
-        code = main([*args, f"results_dir={tmp_path / 'r'}"])
-        return code, capsys.readouterr().err.strip().splitlines()
-
-    return _run
-
-
 QLORA = ["model=qwen2_vl_tiny", "train.lora_r=4", "measure.backend=estimate"]
 GRPO = ["model=qwen2_5_vl_tiny", "step=grpo", "data.batch_size=4", "measure.backend=estimate"]
 BAD_INPUT = {

@@ -256,20 +256,6 @@ def test_qwen2_vl_rope_patch_has_nothing_to_replace_in_this_transformers():
         assert "apply_rotary_pos_emb(" in inspect.getsource(getattr(modeling, attention).forward)
 
 
-@pytest.fixture
-def cli(tmp_path, monkeypatch, capsys):
-    """cli(args) -> (exit code, stderr lines) of `python -m vlmprobe ARGS`, in-process (as test_bad_input.py)."""
-    from vlmprobe.cli import main
-
-    monkeypatch.chdir(tmp_path)
-
-    def _run(args):
-        code = main([*args, f"results_dir={tmp_path / 'r'}"])
-        return code, capsys.readouterr().err.strip().splitlines()
-
-    return _run
-
-
 @pytest.mark.parametrize("overrides,line", [
     (["model=llava_tiny", "train.liger_kernel=true"],
      "train.liger_kernel=true is not allowed with model=llava_tiny (LlavaForConditionalGeneration): vlmprobe models "

@@ -27,6 +27,7 @@ from transformers.models.llama.modeling_llama import LlamaAttention
 from vlmprobe.errors import ConfigError, whole
 from vlmprobe.models.base import DataShape, ModelSpec, prompt_then_text
 from vlmprobe.models.fake_constants import collated, constant_tensor
+from vlmprobe.models.llava_next import select_best_resolution
 from vlmprobe.models.moe import MixtureOfExperts
 
 __all__ = ["DeepseekVL2ForCausalLM", "DeepseekVL2Spec", "best_resolution"]
@@ -62,17 +63,10 @@ TEXT_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "moe_intermediate
 
 
 def best_resolution(width: int, height: int, candidates) -> tuple[int, int]:
-    """select_best_resolution: the candidate (w, h) that shows the most of a `width` x `height` image scaled to fit
-    it, ties going to the one with the least area left empty, the first of equals kept. Float arithmetic as the
-    processor's (the scaled sides truncated)."""
-    best, kept, wasted = None, 0, float("inf")
-    for w, h in candidates:
-        scale = min(w / width, h / height)
-        shown = min(int(width * scale) * int(height * scale), width * height)
-        empty = w * h - shown
-        if shown > kept or (shown == kept and empty < wasted):
-            best, kept, wasted = (w, h), shown, empty
-    return best
+    """select_best_resolution over DeepSeek's (w, h) candidates: LLaVA-NeXT's rule (the most of the image shown,
+    then the least area empty, the first of equals), which takes and gives (h, w)."""
+    h, w = select_best_resolution(height, width, [(ch, cw) for cw, ch in candidates])
+    return w, h
 
 
 # -- the model --------------------------------------------------------------------------------------------------

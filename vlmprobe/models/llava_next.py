@@ -19,7 +19,7 @@ from vlmprobe.models.base import DataShape
 from vlmprobe.models.fake_constants import constant_tensor
 from vlmprobe.models.llava import CLASS_TOKENS, LlavaSpec
 
-__all__ = ["anyres_tokens", "LlavaNextSpec", "tiles"]
+__all__ = ["anyres_tokens", "LlavaNextSpec", "select_best_resolution", "tiles"]
 
 DEFAULT_IMAGE_SIZE = 336  # px per side when data.image_size is null and a config.json gives none: 1 + 2 tiles
 

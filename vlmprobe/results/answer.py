@@ -18,13 +18,14 @@ from vlmprobe.gpu import device_profile
 from vlmprobe.sizes import GiB
 from vlmprobe.states import Status
 
-__all__ = ["OUTPUTS", "answer_lines", "breakdown", "card_name", "json_lines", "records", "shown", "verdict"]
+__all__ = ["OUTPUTS", "answer_lines", "breakdown", "card_name", "gib", "json_lines", "records", "shown", "verdict"]
 
 OUTPUTS = ("text", "json")  # the top-level `output=`: the table and verdicts, or the rows as JSON lines
 
 
 def gib(value) -> str:
-    return "-" if value is None else f"{value / GiB:.2f}"
+    """A size as GiB with two decimals; "-" where it is missing (None or NaN)."""
+    return "-" if value is None or pd.isna(value) else f"{value / GiB:.2f}"
 
 
 def size(value) -> str:

@@ -23,7 +23,7 @@ from vlmprobe.config.plan import Composer, PlannedPoint, plan_point
 from vlmprobe.errors import ConfigError
 from vlmprobe.gpu import device_profile
 from vlmprobe.gpu.device_profile import UNBOUNDED
-from vlmprobe.results.answer import shown
+from vlmprobe.results.answer import gib, shown
 from vlmprobe.sizes import GiB, margin_bytes, parse_bytes
 from vlmprobe.states import Status
 
@@ -156,8 +156,11 @@ class Advisor:
     def row(self, planned: PlannedPoint) -> dict:
         return self.rows[planned.point.id]
 
+    def knob_row(self, knob: Knob) -> dict:
+        return self.rows[",".join(knob.overrides)]  # its point's id (Point.id)
+
     def saving(self, knob: Knob) -> int | None:
-        base, row = shown(self.row(self.base)), shown(self.rows[",".join(knob.overrides)])
+        base, row = shown(self.row(self.base)), shown(self.knob_row(knob))
         return base - row if base is not None and row is not None else None
 
     def table(self) -> pd.DataFrame:
@@ -167,7 +170,7 @@ class Advisor:
                   "training": "-", "cost": "-"}]
         ranked = sorted(self.knobs, key=lambda k: -(self.saving(k) or -2**62))
         for knob in ranked:
-            row = self.rows[",".join(knob.overrides)]
+            row = self.knob_row(knob)
             lines.append({"knob": knob.name, "saves_bytes": self.saving(knob), "card_bytes": shown(row),
                           "fits": self.fits(row), "training": "same" if knob.same_training else "changes",
                           "cost": knob.cost if row["status"] == Status.OK else f"{row['status']}: {knob.cost}"})
@@ -183,7 +186,7 @@ class Advisor:
             return (f"advise: fits with the same training: {names} -> {gib(shown(self.combined[-1][1]))} GiB on the "
                     f"card, {room}")
         closest = min((shown(r) for _, r in self.combined if shown(r) is not None), default=None)
-        changes = [k.name for k in self.knobs if not k.same_training and self.fits(self.rows[",".join(k.overrides)])]
+        changes = [k.name for k in self.knobs if not k.same_training and self.fits(self.knob_row(k))]
         tail = f"; alone, these fit but change the training: {', '.join(changes)}" if changes else ""
         near = f" (closest: all of them, {gib(closest)} GiB)" if closest is not None else ""
         return f"advise: no set of same-training knobs fits {room}{near}{tail}"
@@ -211,8 +214,4 @@ class Advisor:
         with (out_dir / "summary.md").open("a") as f:
             f.write("\n## +advise=fit\n\n" + shown_table.to_markdown(index=False) + "\n\n" + lines[-1] + "\n")
         return lines
-
-
-def gib(value) -> str:
-    return "-" if value is None or pd.isna(value) else f"{value / GiB:.2f}"
 
