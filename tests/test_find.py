@@ -1,6 +1,7 @@
 """+find=max_batch: bisection against a hand-made threshold, and the mode end to end."""
 
 import math
+import re
 
 import pandas as pd
 import pytest
@@ -67,6 +68,8 @@ def test_max_batch_mode_reports_a_batch_that_fits_and_one_more_that_does_not(tmp
     assert rows.loc[best + 1, "status"] == "oom"  # bisection always probes the neighbour above the answer
     assert found["probes"].iloc[0] == len(rows) <= 11
     assert "Largest batch size that fits 6.0 MiB" in (out / "summary.md").read_text()
+    assert proc.stdout.startswith("## Largest batch size that fits 6.0 MiB")  # the answer on stdout, not only a file
+    assert re.search(rf"\| data\.lm_max_length=64 \|\s+{best} \|", proc.stdout)
 
 
 def test_max_batch_without_a_budget_is_one_clear_line(tmp_path):

@@ -115,7 +115,7 @@ def run_in(out_dir: Path, planned: list, search, base: dict, backend: str, what:
         raise interrupted
     written = ", ".join(n for n in WRITTEN if (out_dir / n).exists())
     say(f"vlmprobe: wrote {out_dir}: {written} ({counted(len(table), 'row')})")
-    answer(table, base["output"], advice if isinstance(search, Advisor) else None)
+    answer(table, base["output"], advice)
     failed = [s for s in runner.statuses if s not in (Status.OK, Status.OOM, Status.SKIPPED)]
     if runner.statuses and len(failed) == len(runner.statuses):
         return 1
@@ -123,8 +123,8 @@ def run_in(out_dir: Path, planned: list, search, base: dict, backend: str, what:
 
 
 def answer(table, output: str, advice: list[str] | None = None) -> None:
-    """The rows' answer on stdout (vlmprobe.results.answer): the table and verdicts (or the advisor's lines), or
-    JSON lines."""
+    """The rows' answer on stdout (vlmprobe.results.answer): the table and verdicts, or a search's own lines
+    (the advisor's ranking, the largest batch), or JSON lines."""
     lines = json_lines(table) if output == "json" else advice or answer_lines(table)
     try:
         print("\n".join(lines), flush=True)

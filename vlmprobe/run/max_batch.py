@@ -102,8 +102,8 @@ class MaxBatchSearch:
             self.found.append({"configuration": point.id, "largest_batch_size": best, "memory_budget_bytes": self.budget,
                                "probes": len(probes), "probed": " ".join(map(str, probes))})
 
-    def report(self, out_dir: Path) -> None:
-        """max_batch.csv, and a section appended to summary.md."""
+    def report(self, out_dir: Path) -> list[str]:
+        """max_batch.csv, a section appended to summary.md, and the same section's lines for stdout."""
         table = pd.DataFrame(self.found, columns=["configuration", "largest_batch_size", "memory_budget_bytes",
                                                   "probes", "probed"])
         table.to_csv(out_dir / "max_batch.csv", index=False)
@@ -116,4 +116,4 @@ class MaxBatchSearch:
                    f"{shown.to_markdown(index=False)}\n")
         with (out_dir / "summary.md").open("a") as f:
             f.write(section)
-        print(section, file=sys.stderr)
+        return section.strip("\n").splitlines()
