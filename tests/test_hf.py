@@ -124,9 +124,38 @@ def test_a_hub_name_is_read_from_the_local_cache_only(spec, tmp_path, monkeypatc
     assert count_params(llava.build("meta", torch.bfloat16, init=False))[0] == 7_063_427_072
     with pytest.raises(ConfigError, match=r"model.config=Qwen/Qwen2.5-VL-3B-Instruct is not allowed: no such file or "
                                           r"folder, and no config.json of the hub model .* in the local Hugging Face "
-                                          r"cache \(vlmprobe downloads nothing\); get it with `hf download "
-                                          r"Qwen/Qwen2.5-VL-3B-Instruct config.json`"):
+                                          r"cache \(vlmprobe downloads nothing unless asked\); add model.fetch=true "
+                                          r".*`hf download Qwen/Qwen2.5-VL-3B-Instruct config.json"):
         spec("model=hf", "model.config=Qwen/Qwen2.5-VL-3B-Instruct")
+
+
+def test_model_fetch_downloads_only_the_json_configs_of_an_uncached_hub_id(spec, tmp_path, monkeypatch):
+    import vlmprobe.models.hf as hf
+    from huggingface_hub.errors import EntryNotFoundError
+
+    source, asked = DATA / "Qwen2.5-VL-7B-Instruct", []
+
+    def download(repo, filename):  # huggingface_hub.hf_hub_download's contract: a path in the cache, or raise
+        asked.append((repo, filename))
+        if not (source / filename).is_file():
+            raise EntryNotFoundError(f"{filename} not in {repo}")
+        (tmp_path / filename).write_text((source / filename).read_text())
+        return str(tmp_path / filename)
+
+    monkeypatch.setattr(hf, "try_to_load_from_cache", lambda repo, filename: None)
+    monkeypatch.setattr(hf, "hf_hub_download", download)
+    model = spec("model=hf", "model.config=Qwen/Qwen2.5-VL-7B-Instruct", "model.fetch=true")
+    assert count_params(model.build("meta", torch.bfloat16, init=False))[0] == 8_292_166_656  # its config's hand count
+    assert {name for _, name in asked} <= {"config.json", *hf.PROCESSOR_FILES}  # JSON files only, never weights
+    assert model.max_pixels == 12845056  # read from the fetched preprocessor_config.json
+
+    def offline(repo, filename):
+        raise OSError("We couldn't connect to 'https://huggingface.co'")
+
+    monkeypatch.setattr(hf, "hf_hub_download", offline)
+    with pytest.raises(ConfigError, match=r"^model.config=acme/New-VLM is not allowed: its config.json could not be "
+                                          r"fetched \(OSError: We couldn't connect"):
+        spec("model=hf", "model.config=acme/New-VLM", "model.fetch=true")
 
 
 def test_the_name_can_be_given(plan_points):

@@ -12,9 +12,11 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from huggingface_hub import hf_hub_download, try_to_load_from_cache  # transformers' own dependency
+from huggingface_hub.errors import EntryNotFoundError
 from hydra.utils import get_class
 
-from vlmprobe.errors import ConfigError
+from vlmprobe.errors import ConfigError, first_line
 from vlmprobe.hub import HUB_NAME
 from vlmprobe.models.base import ModelSpec
 
@@ -40,12 +42,15 @@ def family(model_type: str) -> type[ModelSpec]:
     return get_class(f"vlmprobe.models.{FAMILIES[model_type]}")
 
 
-def spec_from_config(config: str | None, name: str | None = None, attn_implementation: str = "sdpa") -> ModelSpec:
+def spec_from_config(config: str | None, name: str | None = None, attn_implementation: str = "sdpa",
+                     fetch: bool = False) -> ModelSpec:
     """Hydra target of conf/model/hf.yaml."""
     if not config:
         raise ConfigError("model.config=null is not allowed with model=hf: give model.config=PATH, a config.json "
                           "file or a folder holding one (or a hub name whose config.json is in the local cache)")
-    path = find_config(str(config))
+    if not isinstance(fetch, bool):
+        raise ConfigError(f"model.fetch={fetch!r} is not allowed: use true or false")
+    path = find_config(str(config), fetch)
     raw = read_json(path, f"model.config={config}")
     model_type = raw.get("model_type")
     if model_type not in FAMILIES:
@@ -64,8 +69,9 @@ def beside(path: Path, filename: str, config: str) -> dict | None:
     return read_json(other, f"{other} (beside model.config={config})") if other.is_file() else None
 
 
-def find_config(config: str) -> Path:
-    """The config.json that model.config names; ConfigError saying how to get it where there is none."""
+def find_config(config: str, fetch: bool = False) -> Path:
+    """The config.json that model.config names; ConfigError saying how to get it where there is none. With `fetch`
+    a hub name not in the cache is fetched (fetched_hub_config)."""
     path = Path(config).expanduser()
     if path.is_dir():
         if not (path / "config.json").is_file():
@@ -77,20 +83,42 @@ def find_config(config: str) -> Path:
         cached = cached_hub_file(config, "config.json")
         if cached is not None:
             return cached
+        if fetch:
+            return fetched_hub_config(config)
         raise ConfigError(f"model.config={config} is not allowed: no such file or folder, and no config.json of the "
-                          f"hub model {config} in the local Hugging Face cache (vlmprobe downloads nothing); get it "
-                          f"with `hf download {config} config.json` where there is a network, or copy the "
-                          f"file here and give its path")
+                          f"hub model {config} in the local Hugging Face cache (vlmprobe downloads nothing unless "
+                          f"asked); add model.fetch=true to fetch its config.json alone (no weights, no code), or get "
+                          f"it with `hf download {config} config.json preprocessor_config.json`, or copy the file here "
+                          f"and give its path")
     raise ConfigError(f"model.config={config} is not allowed: no such file or folder (give a config.json file or a "
                       f"folder holding one)")
 
 
+PROCESSOR_FILES = ("preprocessor_config.json", "video_preprocessor_config.json")  # fetched beside config.json where the
+# model has them (a family reads them for its image sizes)
+
+
+def fetched_hub_config(repo: str) -> Path:
+    """config.json of hub model `repo` downloaded into the Hugging Face cache (huggingface_hub.hf_hub_download), with
+    the processor configs the model has; only these JSON files, never weights or code. One line where it fails."""
+    try:
+        path = Path(hf_hub_download(repo, "config.json"))
+    except Exception as exc:  # offline, no such repository, gated: the library's own words
+        raise ConfigError(f"model.config={repo} is not allowed: its config.json could not be fetched "
+                          f"({type(exc).__name__}: {first_line(exc)})") from None
+    for name in PROCESSOR_FILES:
+        try:
+            hf_hub_download(repo, name)
+        except EntryNotFoundError:  # a model without that file: its family's defaults stand
+            pass
+        except Exception as exc:
+            raise ConfigError(f"model.config={repo} is not allowed: its {name} could not be fetched "
+                              f"({type(exc).__name__}: {first_line(exc)})") from None
+    return path
+
+
 def cached_hub_file(repo: str, filename: str) -> Path | None:
     """`filename` of hub model `repo` from the local Hugging Face cache, without any network access."""
-    try:
-        from huggingface_hub import try_to_load_from_cache
-    except ImportError:
-        return None
     found = try_to_load_from_cache(repo, filename)
     return Path(found) if isinstance(found, str) else None  # None, or a marker that the file does not exist
 
