@@ -7,7 +7,7 @@ import pandas as pd
 import pytest
 
 from conftest import run_cli
-from vlmprobe.run.max_batch import fits, largest_fitting
+from vlmprobe.run.max_batch import fits, largest_fitting, most_probes
 
 
 def threshold_probe(limit, calls):
@@ -25,6 +25,16 @@ def test_bisection_finds_the_largest_fitting_batch_in_at_most_11_probes(limit):
     assert largest_fitting(threshold_probe(limit, calls), 1, 1024, budget=10**9) == limit
     assert len(calls) <= math.ceil(math.log2(1024)) + 1 == 11
     assert len(set(calls)) == len(calls)  # no batch size probed twice
+
+
+@pytest.mark.parametrize("low, high", [(1, 1), (1, 2), (1, 7), (1, 8), (3, 10), (1, 64)])
+def test_the_progress_bar_total_is_the_most_probes_any_threshold_takes(low, high):
+    taken = []
+    for limit in range(low - 1, high + 1):
+        calls = []
+        largest_fitting(threshold_probe(limit, calls), low, high, budget=10**9)
+        taken.append(len(calls))
+    assert max(taken) == most_probes(low, high)  # counted over every outcome, not from the formula
 
 
 def test_nothing_fits_when_the_smallest_batch_does_not():

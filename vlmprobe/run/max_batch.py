@@ -26,7 +26,7 @@ from vlmprobe.results.answer import shown
 from vlmprobe.sizes import GiB, MiB, margin_bytes, parse_bytes
 from vlmprobe.states import Status
 
-__all__ = ["fits", "largest_fitting", "MaxBatchSearch"]
+__all__ = ["MaxBatchSearch", "fits", "largest_fitting", "most_probes"]
 
 
 def fits(row: dict, budget: int) -> bool:
@@ -52,6 +52,11 @@ def largest_fitting(probe: Callable[[int], dict], low: int, high: int, budget: i
         else:
             failing = middle
     return fitting
+
+
+def most_probes(low: int, high: int) -> int:
+    """The probes largest_fitting takes at most over [low, high]: `low`, then ceil(log2(high - low + 1)) halvings."""
+    return 1 + (high - low).bit_length()
 
 
 class MaxBatchSearch:
@@ -89,18 +94,26 @@ class MaxBatchSearch:
         return plan_point(self.composer, Point(point.index, values, point.case))
 
     def run(self, runner) -> None:
-        """Bisect every configuration through `runner` (sweep.Runner: probes resumed from its rows are reused)."""
-        for point in tqdm(self.points, desc="configurations", unit="config", dynamic_ncols=True,
-                          disable=not sys.stderr.isatty()):
+        """Bisect every configuration through `runner` (sweep.Runner: probes resumed from its rows are reused). The
+        bar counts probes: its total starts at the most they can take and drops by what a configuration leaves
+        unused."""
+        bar = tqdm(total=len(self.points) * most_probes(self.low, self.high), desc="probes", unit="probe", dynamic_ncols=True,
+                   disable=not sys.stderr.isatty())
+        for point in self.points:
             probes = []
 
             def probe(batch_size: int) -> dict:
                 probes.append(batch_size)
-                return runner.run(self.probe_point(point, batch_size))
+                row = runner.run(self.probe_point(point, batch_size))
+                bar.update()
+                return row
 
             best = largest_fitting(probe, self.low, self.high, self.budget - self.margin)
+            bar.total -= most_probes(self.low, self.high) - len(probes)
+            bar.refresh()
             self.found.append({"configuration": point.id, "largest_batch_size": best, "memory_budget_bytes": self.budget,
                                "probes": len(probes), "probed": " ".join(map(str, probes))})
+        bar.close()
 
     def report(self, out_dir: Path) -> list[str]:
         """max_batch.csv, a section appended to summary.md, and the same section's lines for stdout."""
