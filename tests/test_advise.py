@@ -56,3 +56,37 @@ def test_advice_without_a_card_or_on_a_card_smaller_than_the_4_bit_weights_is_re
     small = run_cli(["+advise=fit", "model=qwen2_vl_7b", "device=rtx3090", "measure.device_memory=3GiB", "dry_run=true"],
                     cwd=tmp_path)
     assert small.returncode == 2 and "even in 4 bits, more than the" in small.stderr
+
+
+@pytest.mark.parametrize("engine, accum, expected", [
+    ("ddp", 2, {"dist=zero2 dist.world_size=2", "dist=zero3 dist.world_size=2", "dist=fsdp2 dist.world_size=2"}),
+    ("zero2", 4, {"dist=zero3 dist.world_size=2", "dist.offload_optimizer=cpu",
+                  "dist.world_size=4 train.grad_accum_steps=2"}),
+    ("zero3", 1, {"dist.offload_optimizer=cpu", "dist.offload_param=cpu", "dist.world_size=4"}),
+])
+def test_with_an_engine_the_advisor_offers_more_sharding_offload_and_more_gpus(compose, engine, accum, expected):
+    from omegaconf import OmegaConf
+
+    from vlmprobe.run.advise import engine_knobs
+
+    cfg = compose([f"dist={engine}", "dist.world_size=2"])
+    offered = {k.name: k for k in engine_knobs(OmegaConf.to_container(cfg.dist), accum)}
+    assert set(offered) == expected
+    # the same training where the effective batch (GPUs x micro batch x accumulation) stays: an independent count
+    for name, knob in offered.items():
+        gpus = int(name.split("dist.world_size=")[1].split()[0]) if "world_size" in name else 2
+        steps = int(name.split("train.grad_accum_steps=")[1]) if "grad_accum_steps" in name else accum
+        assert knob.same_training == (gpus * steps == 2 * accum), name
+
+
+@pytest.mark.slow  # ~40 s: DeepSpeed's checks of every planned point
+def test_every_engine_knob_composes_as_a_point(compose):
+    from omegaconf import OmegaConf
+
+    from vlmprobe.run.advise import Advisor
+
+    point = [*POINT[:-1], "dist=zero2", "dist.world_size=2", "train.grad_accum_steps=4", "measure.device_memory=1GiB",
+             "+advise=fit"]
+    advisor = Advisor(compose, point, OmegaConf.to_container(compose(point), resolve=True))
+    assert {"dist=zero3 dist.world_size=2", "dist.offload_optimizer=cpu",
+            "dist.world_size=4 train.grad_accum_steps=2"} <= {k.name for k in advisor.knobs}, advisor.left_out

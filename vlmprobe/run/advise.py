@@ -7,8 +7,8 @@ batch, allocator and kernel settings), largest saving first, added one by one un
 (predicted_device_bytes) fits the card less the margin. Knobs that change the training (freezing, LoRA, 8-bit or
 factored optimizer state, bf16 weights, 4-bit base, smaller images) are ranked beside them and tagged. A knob
 the point cannot take is left out with its reason. Every run is a row of results.csv.
-Limits: the combination is greedy (largest saving first), not a search of every subset; engines and GPU
-counts (dist=) are not among the knobs yet.
+With dist= set the engines that shard more, the engine's host offload and twice the GPUs are knobs too.
+Limits: the combination is greedy (largest saving first, one engine), not a search of every subset.
 """
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ class Knob:
     overrides: tuple[str, ...]  # what it sets, on top of the person's command line
     same_training: bool  # True: the same model trains on the same data to the same result (memory and time change)
     cost: str  # what it costs, in a few words
+    group: str = ""  # knobs of one group are alternatives (one engine): the combination takes at most one of them
 
     @property
     def name(self) -> str:
@@ -78,10 +79,41 @@ def knobs(cfg: dict, inputs: dict, card) -> list[Knob]:
         dtype = half if train["param_dtype"] == "float32" else train["param_dtype"]
         found.append(Knob(("train.quantization=nf4", f"train.quantization_compute_dtype={dtype}"), False,
                           "QLoRA: a 4-bit frozen base (bitsandbytes)"))
+    found += engine_knobs(cfg["dist"], train["grad_accum_steps"])
     side = inputs.get("image_size")
     if side and side >= 112:
         smaller = max(56, side * 3 // 4 // 28 * 28)
         found.append(Knob((f"data.image_size={smaller}",), False, f"images of {smaller} px a side, not {side}"))
+    return found
+
+
+SHARDING = {"ddp": ("zero2", "zero3", "fsdp2"), "zero1": ("zero2", "zero3"), "zero2": ("zero3",)}  # engine -> the
+# engines that shard more of the same training state (ZeRO-2: gradients too; ZeRO-3 and FSDP2: the weights too)
+SHARDED = ("zero1", "zero2", "zero3", "fsdp2", "fsdp2_bf16")  # engines whose per-rank memory falls with more ranks
+
+
+def engine_knobs(dist: dict, accum: int) -> list[Knob]:
+    """With dist= set: engines that shard more, the host offload the engine offers, and twice the GPUs (the same
+    effective batch where the accumulation halves). A person's own DeepSpeed JSON keeps its engine."""
+    name, world, found = dist["name"], dist.get("world_size"), []
+    if name == "none":
+        return found
+    if not dist.get("deepspeed_config"):
+        found += [Knob((f"dist={other}", f"dist.world_size={world}"), True,
+                       f"{other} shards more of the state across the {world} GPUs (more communication)", "engine")
+                  for other in SHARDING.get(name, ())]
+    if name in ("zero2", "zero3") and dist.get("offload_optimizer") == "none":
+        found.append(Knob(("dist.offload_optimizer=cpu",), True, "optimizer state and step on the host (host memory, "
+                                                                  "slower step)"))
+    if name == "zero3" and dist.get("offload_param") == "none":
+        found.append(Knob(("dist.offload_param=cpu",), True, "weights on the host between uses (host memory, slower)"))
+    if name in SHARDED:
+        if accum % 2 == 0:
+            found.append(Knob((f"dist.world_size={2 * world}", f"train.grad_accum_steps={accum // 2}"), True,
+                              f"{2 * world} GPUs at the same effective batch (half the accumulation)"))
+        else:
+            found.append(Knob((f"dist.world_size={2 * world}",), False,
+                              f"{2 * world} GPUs: twice the effective batch"))
     return found
 
 
@@ -145,8 +177,12 @@ class Advisor:
             return
         saving = {k: self.saving(k) for k in self.knobs}
         chosen: list[str] = []
+        groups: set[str] = set()
         for knob in sorted((k for k in self.knobs if k.same_training and (saving[k] or 0) > 0),
                            key=lambda k: -saving[k]):
+            if knob.group and knob.group in groups:  # another engine is already in: the better one
+                continue
+            groups.add(knob.group)
             chosen += knob.overrides
             row = runner.run(self.plan(tuple(chosen), len(self.planned) + len(self.combined)))
             self.combined.append((knob, row))
