@@ -125,6 +125,21 @@ class ModelSpec(abc.ABC):
                               f"are modelled for Qwen2-VL and Qwen2.5-VL (qwen2_vl_*, qwen2_5_vl_*, hf); use 0")
         return 0
 
+    def image_tokens_at(self, height: int, width: int, *, images_in_sample: int = 1, min_pixels: int | None = None,
+                        max_pixels: int | None = None) -> int:
+        """LM tokens of one `height` x `width` px image of a dataset (vlmprobe.dataset): the family's processor
+        rule taken to both sides (a family that has one overrides this). `images_in_sample` matters where a family
+        treats several images apart (LLaVA-OneVision, DeepSeek-VL2); min / max pixels override a Qwen-style
+        spec's bounds. ConfigError here: no rule for this family."""
+        raise ConfigError(f"model={getattr(self, 'name', type(self).__name__)} is not allowed for a dataset's images: "
+                          f"vlmprobe has no per-image token rule for {type(self).__name__}")
+
+    def video_tokens_at(self, frames: int, height: int, width: int) -> int:
+        """LM tokens of one video of a dataset, `frames` frames (as handed to the processor) of `height` x `width`
+        px (a family that models videos overrides this). ConfigError here: videos are not modelled."""
+        raise ConfigError(f"videos are not allowed for {getattr(self, 'name', type(self).__name__)} in a dataset: "
+                          f"they are modelled for Qwen2-VL and Qwen2.5-VL only")
+
     def prompt_framing(self, data: DataShape) -> tuple[int, str]:
         """Tokens the processor writes into the prompt beside the image tokens (markers, <bos>), and how the
         too-short line names them."""

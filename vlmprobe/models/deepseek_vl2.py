@@ -30,7 +30,7 @@ from vlmprobe.models.fake_constants import collated, constant_tensor
 from vlmprobe.models.llava_next import select_best_resolution
 from vlmprobe.models.moe import MixtureOfExperts
 
-__all__ = ["DeepseekVL2ForCausalLM", "DeepseekVL2Spec", "best_resolution"]
+__all__ = ["DeepseekVL2ForCausalLM", "DeepseekVL2Layout", "DeepseekVL2Spec", "best_resolution"]
 
 TILE_TAGS = ("2D",)  # "1D" is the original's abandoned layout (its code reads a config.aligner that no config has)
 VIEW_POSITIONS = ("head", "tail")  # the global view before or after the tiles
@@ -370,6 +370,18 @@ class DeepseekVL2Layout(ModelSpec):
 
     def image_tokens(self, data: DataShape) -> int:
         return data.images_per_sample * self.tokens_per_image(data)
+
+    def image_tokens_at(self, height: int, width: int, *, images_in_sample: int = 1, min_pixels: int | None = None,
+                        max_pixels: int | None = None) -> int:
+        """A `height` x `width` image: best_resolution on (width, height) while a sample has at most two images
+        (one tile each beyond), the global view and the tiles, each row of tokens closed by a newline, and the
+        view separator (tokens_per_image's layout)."""
+        across, down = 1, 1
+        if images_in_sample <= 2:
+            canvas_w, canvas_h = best_resolution(width, height, self.candidate_resolutions)
+            across, down = canvas_w // self.vision["image_size"], canvas_h // self.vision["image_size"]
+        side = self.tile_side()
+        return side * (side + 1) + 1 + (down * side) * (across * side + 1)
 
     def prompt_framing(self, data: DataShape) -> tuple[int, str]:
         return 1, " plus <bos>"

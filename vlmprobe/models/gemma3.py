@@ -15,6 +15,8 @@ from torch import nn
 from vlmprobe.models.base import DataShape, ModelSpec, hyperparameters, prompt_then_text
 from vlmprobe.models.fake_constants import collated, constant_tensor
 
+__all__ = ["Gemma3Spec"]
+
 NEWLINES = 1  # "\n\n" before <start_of_image> and after <end_of_image>: one token each in Gemma's vocabulary
 
 
@@ -54,6 +56,12 @@ class Gemma3Spec(ModelSpec):
         self.native_size_only(data, "Gemma3ImageProcessor resizes",
                               "pan-and-scan, off by default, crops only images longer than wide")
         return data.images_per_sample * self.mm_tokens_per_image
+
+    def image_tokens_at(self, height: int, width: int, *, images_in_sample: int = 1, min_pixels: int | None = None,
+                        max_pixels: int | None = None) -> int:
+        """Any image: Gemma3ImageProcessor resizes it to the tower's size (pan-and-scan off), so
+        mm_tokens_per_image."""
+        return self.mm_tokens_per_image
 
     def _image_text(self) -> list[int]:
         """Token ids of one image as Gemma3Processor writes it; the newline ids are text (their value does not

@@ -19,7 +19,7 @@ from vlmprobe.errors import ConfigError
 from vlmprobe.models.base import DataShape, ModelSpec, hyperparameters, prompt_then_text
 from vlmprobe.models.fake_constants import collated, constant_tensor
 
-__all__ = ["MAX_IMAGE_SIZE"]
+__all__ = ["Idefics3Spec", "idefics3_tiles", "MAX_IMAGE_SIZE", "SmolVLMSpec"]
 
 MAX_IMAGE_SIZE = 4096  # transformers' idefics3 / smolvlm image processors: no side beyond it ("4k resolution")
 
@@ -41,6 +41,38 @@ def tile_grid(size: int, tile: int, splitting: bool = True) -> tuple[int, int]:
         width = math.ceil(int(height * aspect) / tile) * tile
     if height > tile or width > tile:
         return (height - tile) // tile + 1, (width - tile) // tile + 1
+    return 0, 0
+
+
+def idefics3_tiles(height: int, width: int, longest_edge: int, tile: int, splitting: bool = True) -> tuple[int, int]:
+    """(rows, cols) of tiles Idefics3ImageProcessor cuts one `height` x `width` image into (0, 0: one tile, no
+    global image): its resize (the longest edge to `longest_edge`, the other side made even, then below
+    MAX_IMAGE_SIZE), resize_for_vision_encoder (whole tiles) and split_images (transformers 5.25
+    image_processing_idefics3.py); tile_grid is this rule for a square."""
+    if not splitting:
+        return 0, 0
+    aspect = width / height  # resize: the longest edge to `longest_edge`, the other side made even
+    if width >= height:
+        width, height = longest_edge, int(longest_edge / aspect)
+        height += height % 2
+    else:
+        height, width = longest_edge, int(longest_edge * aspect)
+        width += width % 2
+    height, width = max(height, 1), max(width, 1)
+    aspect = width / height  # then below MAX_IMAGE_SIZE
+    if width >= height and width > MAX_IMAGE_SIZE:
+        width, height = MAX_IMAGE_SIZE, max(int(MAX_IMAGE_SIZE / aspect), 1)
+    elif height > width and height > MAX_IMAGE_SIZE:
+        height, width = MAX_IMAGE_SIZE, max(int(MAX_IMAGE_SIZE * aspect), 1)
+    aspect = width / height  # resize_for_vision_encoder: up to whole tiles
+    if width >= height:
+        width = math.ceil(width / tile) * tile
+        height = math.ceil(int(width / aspect) / tile) * tile
+    else:
+        height = math.ceil(height / tile) * tile
+        width = math.ceil(int(height * aspect) / tile) * tile
+    if height > tile or width > tile:
+        return math.ceil(height / tile), math.ceil(width / tile)
     return 0, 0
 
 
@@ -104,6 +136,13 @@ class Idefics3Spec(ModelSpec):
 
     def image_tokens(self, data: DataShape) -> int:
         return data.images_per_sample * self.frames(data) * self.tokens_per_tile()
+
+    def image_tokens_at(self, height: int, width: int, *, images_in_sample: int = 1, min_pixels: int | None = None,
+                        max_pixels: int | None = None) -> int:
+        """A `height` x `width` image: idefics3_tiles' rows x cols tiles and the global image (or one tile), each
+        tokens_per_tile."""
+        rows, cols = idefics3_tiles(height, width, self.native_image_size, self.tile, self.do_image_splitting)
+        return (rows * cols + 1 if rows else 1) * self.tokens_per_tile()
 
     def _image_text(self, rows: int, cols: int) -> list[int]:
         """Token ids of one image as Idefics3Processor writes it (transformers' own count,

@@ -116,6 +116,17 @@ class InternVLSpec(ModelSpec):
     def image_tokens(self, data: DataShape) -> int:
         return data.images_per_sample * self.tiles(data) * self.image_seq_length
 
+    def image_tokens_at(self, height: int, width: int, *, images_in_sample: int = 1, min_pixels: int | None = None,
+                        max_pixels: int | None = None) -> int:
+        """A `height` x `width` image: GotOcr2's get_optimal_tiled_canvas on (height, width) (transformers 5.25
+        image_processing_pil_got_ocr2.py), a thumbnail beside more than one tile, image_seq_length tokens each."""
+        from transformers.models.got_ocr2.image_processing_pil_got_ocr2 import get_optimal_tiled_canvas
+
+        cols, rows = get_optimal_tiled_canvas((height, width), (self.tile, self.tile), self.min_patches,
+                                              self.max_patches)
+        tiles = cols * rows + 1 if cols * rows > 1 and self.use_thumbnail else cols * rows
+        return tiles * self.image_seq_length
+
     size_decides_tokens = True
 
     def prompt_framing(self, data: DataShape) -> tuple[int, str]:

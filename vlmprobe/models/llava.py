@@ -23,7 +23,7 @@ from torch import nn
 from vlmprobe.errors import ConfigError, whole
 from vlmprobe.models.base import DataShape, ModelSpec, hyperparameters, prompt_then_text
 from vlmprobe.models.fake_constants import collated, constant_tensor
-from vlmprobe.models.mistral3 import TEKKEN_IMAGE_BREAK, TEKKEN_IMAGE_END, resized_side
+from vlmprobe.models.mistral3 import TEKKEN_IMAGE_BREAK, TEKKEN_IMAGE_END, pixtral_grid, resized_side
 
 __all__ = ["CLASS_TOKENS", "LlavaSpec"]
 
@@ -134,6 +134,16 @@ class LlavaSpec(ModelSpec):
         self.native_size_only(data, "its processor resizes and center-crops",
                               "the tower's position embeddings cover that size only")
         return data.images_per_sample * self.tokens_per_image()
+
+    def image_tokens_at(self, height: int, width: int, *, images_in_sample: int = 1, min_pixels: int | None = None,
+                        max_pixels: int | None = None) -> int:
+        """A `height` x `width` image: CLIPImageProcessor resizes and crops every image to the tower's size, so
+        tokens_per_image; a Pixtral tower: mistral3.pixtral_grid's rows x cols patches, each row closed by
+        [IMG_BREAK] / [IMG_END] (PixtralImageProcessor, transformers 5.25 image_processing_pil_pixtral.py)."""
+        if self.pixtral:
+            rows, cols = pixtral_grid(height, width, self.longest_edge, self.vision["patch_size"])
+            return rows * (cols + 1)
+        return self.tokens_per_image()
 
     def pixel_side(self, data: DataShape) -> int:
         """Pixtral: pixels per side the tower sees for one image of this point (the processor's output size:

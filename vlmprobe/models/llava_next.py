@@ -98,6 +98,13 @@ class LlavaNextSpec(LlavaSpec):
                                                       self.vision["patch_size"], self.tokens_per_image(),
                                                       self.max_tiles)
 
+    def image_tokens_at(self, height: int, width: int, *, images_in_sample: int = 1, min_pixels: int | None = None,
+                        max_pixels: int | None = None) -> int:
+        """A `height` x `width` image: anyres_tokens (already (height, width)); LLaVA-OneVision's anyres_max_N
+        through max_tiles."""
+        return anyres_tokens(height, width, self.image_grid_pinpoints, self.vision["image_size"],
+                             self.vision["patch_size"], self.tokens_per_image(), self.max_tiles)
+
     def tiles_per_image(self, data: DataShape) -> int:
         """Tiles the processor cuts one image of this point into: the base tile and the canvas's."""
         size = self.image_size(data)

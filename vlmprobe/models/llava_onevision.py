@@ -18,6 +18,8 @@ from vlmprobe.models.base import DataShape
 from vlmprobe.models.fake_constants import constant_tensor
 from vlmprobe.models.llava_next import LlavaNextSpec
 
+__all__ = ["LlavaOnevisionSpec"]
+
 ASPECT_RATIO = re.compile(r"anyres_max_([1-9]\d*)")  # the one form transformers' model and processor parse
 
 
@@ -53,6 +55,15 @@ class LlavaOnevisionSpec(LlavaNextSpec):
         if data.images_per_sample > 1:  # one tile and one newline per image (the processor's is_multi_image)
             return data.images_per_sample * (self.tokens_per_image() + 1)
         return super().image_tokens(data)
+
+    def image_tokens_at(self, height: int, width: int, *, images_in_sample: int = 1, min_pixels: int | None = None,
+                        max_pixels: int | None = None) -> int:
+        """A `height` x `width` image: in a sample of several images one untiled tile and its newline
+        (LlavaOnevisionProcessor's is_multi_image), else LLaVA-NeXT's anyres rule with anyres_max_N."""
+        if images_in_sample > 1:
+            return self.tokens_per_image() + 1
+        return super().image_tokens_at(height, width, images_in_sample=images_in_sample, min_pixels=min_pixels,
+                                       max_pixels=max_pixels)
 
     def tiles_per_image(self, data: DataShape) -> int:
         return 1 if data.images_per_sample > 1 else super().tiles_per_image(data)

@@ -20,7 +20,7 @@ from vlmprobe.errors import ConfigError
 from vlmprobe.models.base import DataShape, ModelSpec, hyperparameters, prompt_then_text
 from vlmprobe.models.fake_constants import collated, constant_tensor
 
-__all__ = ["Mistral3Spec", "resized_side", "TEKKEN_IMAGE_BREAK", "TEKKEN_IMAGE_END"]
+__all__ = ["Mistral3Spec", "pixtral_grid", "resized_side", "TEKKEN_IMAGE_BREAK", "TEKKEN_IMAGE_END"]
 
 # [IMG_BREAK] and [IMG_END] of Mistral's tekken tokenizer (its tokenizer files, not config.json): what model=hf
 # writes; their values do not change memory
@@ -35,6 +35,16 @@ def resized_side(side: int, longest_edge: int, cell: int) -> int:
     if ratio > 1:
         side = int(math.floor(side / ratio))
     return ((side - 1) // cell + 1) * cell
+
+
+def pixtral_grid(height: int, width: int, longest_edge: int, cell: int) -> tuple[int, int]:
+    """(rows, cols) of `cell` px cells of one `height` x `width` image after PixtralImageProcessor's resize
+    (transformers 5.25 image_processing_pil_pixtral.py get_resize_output_image_size): scaled down by the larger
+    side's ratio to `longest_edge` where longer (each side floored), then each side up to whole cells."""
+    ratio = max(height / longest_edge, width / longest_edge)
+    if ratio > 1:
+        height, width = int(math.floor(height / ratio)), int(math.floor(width / ratio))
+    return (height - 1) // cell + 1, (width - 1) // cell + 1
 
 
 class Mistral3Spec(ModelSpec):
@@ -98,6 +108,13 @@ class Mistral3Spec(ModelSpec):
                               f"Mistral3 forward fails on a batch of one image token; use a side above {self.cell()} px "
                               f"or more images")
         return data.images_per_sample * rows * (rows + 1)  # each row of [IMG] ends in [IMG_BREAK] / [IMG_END]
+
+    def image_tokens_at(self, height: int, width: int, *, images_in_sample: int = 1, min_pixels: int | None = None,
+                        max_pixels: int | None = None) -> int:
+        """A `height` x `width` image: pixtral_grid's rows x cols cells (patch x merge px), one [IMG] each, each
+        row closed by [IMG_BREAK] / [IMG_END]."""
+        rows, cols = pixtral_grid(height, width, self.longest_edge, self.cell())
+        return rows * (cols + 1)
 
     def prompt_framing(self, data: DataShape) -> tuple[int, str]:
         return 1, " plus <s>"

@@ -15,6 +15,8 @@ from torch import nn
 from vlmprobe.models.base import DataShape, ModelSpec, hyperparameters, prompt_then_text
 from vlmprobe.models.fake_constants import collated, constant_tensor
 
+__all__ = ["MllamaSpec"]
+
 
 def canvas(size: int, tile: int, max_tiles: int) -> tuple[int, int]:
     """(rows, cols) of tiles MllamaImageProcessor puts a square `size` px image on."""
@@ -58,6 +60,11 @@ class MllamaSpec(ModelSpec):
         """Text tokens the images take: one <|image|> each (the vision tokens live in the cross-attention)."""
         self.tiles(data)
         return data.images_per_sample
+
+    def image_tokens_at(self, height: int, width: int, *, images_in_sample: int = 1, min_pixels: int | None = None,
+                        max_pixels: int | None = None) -> int:
+        """Any image: one <|image|> token (its tiles feed the cross-attention layers, not the LM's sequence)."""
+        return 1
 
     # -- model ----------------------------------------------------------------------------------------
     def config(self):

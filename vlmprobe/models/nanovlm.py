@@ -313,6 +313,11 @@ class NanoVLMSpec(ModelSpec):
                               f"nanoVLM's code at {nanovlm_source.TESTED} takes one image a sample")
         return data.images_per_sample * self.tokens_per_image()
 
+    def image_tokens_at(self, height: int, width: int, *, images_in_sample: int = 1, min_pixels: int | None = None,
+                        max_pixels: int | None = None) -> int:
+        """Any image: nanoVLM's processor resizes it to the tower's size, so tokens_per_image."""
+        return self.tokens_per_image()
+
     def tokens_per_image(self) -> int:
         patches = (self.native_image_size // self.vision["patch_size"]) ** 2
         return patches // self.pixel_shuffle_factor**2

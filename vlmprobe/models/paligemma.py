@@ -16,7 +16,7 @@ from vlmprobe.errors import ConfigError
 from vlmprobe.models.base import DataShape, ModelSpec, hyperparameters, prompt_then_text
 from vlmprobe.models.fake_constants import collated, constant_tensor
 
-__all__ = ["NEWLINE"]
+__all__ = ["NEWLINE", "PaliGemmaSpec"]
 
 NEWLINE = 108  # "\n" in Gemma's vocabulary: the end of the prefix (its value changes no byte)
 
@@ -63,6 +63,11 @@ class PaliGemmaSpec(ModelSpec):
         self.native_size_only(data, "PaliGemmaProcessor resizes",
                               "the checkpoint's size: another is another checkpoint")
         return data.images_per_sample * self.tokens_per_image()
+
+    def image_tokens_at(self, height: int, width: int, *, images_in_sample: int = 1, min_pixels: int | None = None,
+                        max_pixels: int | None = None) -> int:
+        """Any image: PaliGemmaProcessor resizes it to the checkpoint's size, so tokens_per_image."""
+        return self.tokens_per_image()
 
     def prompt_framing(self, data: DataShape) -> tuple[int, str]:
         return 2, " plus <bos> and the prefix's newline"

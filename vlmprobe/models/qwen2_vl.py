@@ -253,6 +253,35 @@ class Qwen2VLSpec(ModelSpec):
         frames, rows, cols = self.video_grid(data)
         return data.videos_per_sample * frames * rows * cols // self.vision["spatial_merge_size"] ** 2
 
+    def image_tokens_at(self, height: int, width: int, *, images_in_sample: int = 1, min_pixels: int | None = None,
+                        max_pixels: int | None = None) -> int:
+        """A `height` x `width` image: smart_resize (already (height, width)) within the spec's pixel bounds or the
+        caller's, then (H / patch)(W / patch) patches merged (transformers 5.25 image_processing_pil_qwen2_vl.py,
+        image_processing_pil_glm4v.py); Qwen2.5-VL, Qwen3-VL (16 px patches) and GLM-4.1V inherit it."""
+        rows, cols = self.grid_at(height, width, min_pixels or self.min_pixels, max_pixels or self.max_pixels,
+                                  self.frames_in_budget)
+        return rows * cols // self.vision["spatial_merge_size"] ** 2
+
+    def video_tokens_at(self, frames: int, height: int, width: int) -> int:
+        """A video of `frames` frames of `height` x `width` px (Qwen2VLVideoProcessor): frames padded to the
+        temporal patch, each frame resized within the spec's video bounds. Refused where the processor writes
+        timestamps as text (Qwen3-VL, GLM-4.1V), as video_tokens refuses them."""
+        if self.frame_timestamps_as_text:
+            return super().video_tokens_at(frames, height, width)  # the base refusal
+        rows, cols = self.grid_at(height, width, self.video_min_pixels, self.video_max_pixels, 1)
+        temporal = -(-frames // self.vision["temporal_patch_size"])
+        return temporal * rows * cols // self.vision["spatial_merge_size"] ** 2
+
+    def grid_at(self, height: int, width: int, low: int, high: int, frames: int) -> tuple[int, int]:
+        """(rows, cols) of patches of one `height` x `width` image or frame after smart_resize within [low, high]
+        px; ConfigError where the processor refuses it (aspect ratio above 200)."""
+        try:
+            h, w = smart_resize(height, width, self.factor, low, high, frames, self.scales_up_small_sides)
+        except ValueError as exc:  # the processor's own refusal (aspect ratio above 200)
+            raise ConfigError(f"an image of {height} x {width} px is not allowed for {self.name}: its processor's "
+                              f"smart_resize refuses it: {exc}") from None
+        return h // self.vision["patch_size"], w // self.vision["patch_size"]
+
     size_decides_tokens = True
 
     def prompt_framing(self, data: DataShape) -> tuple[int, str]:
