@@ -111,6 +111,9 @@ DESCRIPTIONS = {
     "activations_bytes": "what the last forward left live for backward",
     "oom_block_bytes": "`oom` rows: the block the allocator was asked for (the tensor's bytes rounded up to 512)",
     "oom_segment_bytes": "`oom` rows: the segment it tried to reserve for it (the size CUDA's message prints)",
+    "oom_filled": "`oom` rows, estimate / cpu: the five largest groups of live memory when it ran out, by module, kind "
+                  "and dtype, e.g. `bf16 activations of model.language_model.layers.*.mlp.act_fn 3.42 GiB; ...` "
+                  "(empty on cuda)",
     "imposed_capacity_bytes": "the device capacity the point ran against, where one was imposed",
     "allocator_backend": "cuda: `native` or `cudaMallocAsync`, as the worker's allocator ran",
     "step_time_s": "wall time of the last step (estimate: fake-tensor time, not a GPU time)",

@@ -64,6 +64,18 @@ class Backend(abc.ABC):
         bytes rounded up to 512)."""
         return {"oom_segment_bytes": segment_bytes_in_message(message), "oom_block_bytes": None}
 
+    def oom_filled(self, meter, engine) -> str | None:
+        """What filled the memory when the point ran out (the row's oom_filled: the largest live groups by module,
+        kind and dtype), `engine` the point's (None where it ran out while loading); None where this backend cannot
+        say. Here none: cuda would need the allocator's history of every live block, read from a snapshot, which
+        is not done."""
+        return None
+
+    def timeline(self, meter) -> dict | None:
+        """Allocated and reserved over the point's run with its phases (vlmprobe.estimate.allocator.Timeline.data),
+        for timeline.png; None where this backend keeps none (cuda: not sampled)."""
+        return None
+
     def predicted_device_bytes(self, meter, device: DeviceProfile | None) -> int | None:
         """What the target card would show in use at the point's peak, where this backend predicts rather
         than measures it (vlmprobe.gpu.device_profile.predicted_device_bytes); None here."""

@@ -5,6 +5,11 @@ Both make the choices CUDA would make (the optimizer implementation, CUDA's auto
 the card runs, the kernels' own buffers); with the same program on both, the cpu backend proves the fake
 bookkeeping: the two agree to the byte. Its figures are a check and a way to run the whole path in CI, never
 GPU figures.
+
+Both keep the point's timeline (allocated and reserved after each allocation, the phases: vlmprobe.estimate.allocator
+.Timeline) and, where a capacity makes an out-of-memory possible, label every block to say what filled the memory
+when it ran out (vlmprobe.estimate.tracker.Attribution): the model's modules hooked once loaded, those of the blocks a
+tower replays left alone, a replayed step's blocks labelled as the step it replays. Neither changes a figure.
 """
 
 from __future__ import annotations
@@ -22,12 +27,14 @@ from vlmprobe.estimate.cuda_rules.sdpa_choice import cuda_sdpa_choice
 from vlmprobe.estimate.fake_patches import real_run_answers_for_fake_batches
 from vlmprobe.estimate.fast_fake import session_mode
 from vlmprobe.estimate.replay.built_models import BUILT_MODELS
+from vlmprobe.estimate.allocator import Timeline
 from vlmprobe.estimate.replay.steps import StepReplay
-from vlmprobe.estimate.tracker import LiveBytesTracker
+from vlmprobe.estimate.tracker import LiveBytesTracker, filled_text
 from vlmprobe.gpu import device_profile
 from vlmprobe.gpu.device_profile import DeviceProfile
 
-__all__ = ["CPU", "ESTIMATE", "EstimateBackend", "no_automatic_collection", "reduction_card"]
+__all__ = ["CPU", "ESTIMATE", "EstimateBackend", "LabelledStepReplay", "no_automatic_collection", "reduction_card",
+           "TrackerMeter"]
 
 
 @contextlib.contextmanager
@@ -60,6 +67,21 @@ class TrackerMeter:
         self.capacity = capacity  # the allocator model's device capacity, or None (unbounded)
         self.notes: list[str] = []
         self._reserved_closed = 0  # the allocator model's reserved peak in the windows reset_peak closed
+        self.timeline = tracker.allocator.timeline
+        self._loading = self.timeline is not None  # the timeline's "load" span is open until the first phase
+        if self._loading:
+            self.timeline.begin("load")
+
+    def mark_phase(self, phase: str, started: bool) -> None:
+        """The step's `phase` starts (started) or ends here (steps.common.PhaseClock): a span of the timeline, the
+        phase of the blocks allocated from here."""
+        if self.timeline is not None:
+            if self._loading:
+                self.timeline.end("load")
+                self._loading = False
+            (self.timeline.begin if started else self.timeline.end)(phase)
+        if self.tracker.attribution is not None:
+            self.tracker.attribution.enter_phase(phase if started else None)
 
     def sync(self) -> None:
         """CPU ops are synchronous: nothing is queued."""
@@ -106,18 +128,30 @@ class EstimateBackend(Backend):
                 reduction_card=reduction_card(device)))
             if self.fake:
                 tracker.below = fake
+            tracker.allocator.timeline = Timeline()
+            if capacity is not None:  # without one nothing runs out: no labels to keep
+                stack.callback(tracker.attribute().unwatch)  # the hooks off the model (a kept one outlives this)
             yield TrackerMeter(tracker, capacity)
 
     def load_model(self, meter, key, build):
         # fake tensors only: the cpu backend builds every point's model, so estimate == cpu checks the reuse
         if not self.fake or key is None:
-            return super().load_model(meter, key, build)
-        return BUILT_MODELS.load(meter.tracker, key, build)
+            model, peak = super().load_model(meter, key, build)
+        else:
+            model, peak = BUILT_MODELS.load(meter.tracker, key, build)
+        if meter.tracker.attribution is not None:
+            meter.tracker.attribution.watch(model)
+        return model, peak
 
     def step_replay(self, meter, engine, towers=()):
+        attribution = meter.tracker.attribution
+        if attribution is not None:  # hooks on a block would stop its tower's replay: the tower's blocks go unhooked
+            attribution.unwatch([m for blocks in towers if len(blocks) >= 3 for block in blocks for m in block.modules()])
         # fake tensors only: the cpu backend runs every step for real, so estimate == cpu checks the replay
         if not (self.fake and engine.repeats_steps):
             return None
+        if attribution is not None:
+            return LabelledStepReplay(meter.tracker, engine.optimizer, towers)
         return StepReplay(meter.tracker, engine.optimizer, towers)
 
     def predicted_device_bytes(self, meter, device) -> int | None:
@@ -131,12 +165,49 @@ class EstimateBackend(Backend):
                 "peak_host_bytes": tracker.host_peak if host else None,
                 "after_step_host_bytes": tracker.host_current if host else None}
 
+    def oom_filled(self, meter, engine) -> str | None:
+        attribution = meter.tracker.attribution
+        if attribution is None:
+            return None
+        groups = attribution.filled(meter.tracker, getattr(engine, "optimizer", None),
+                                    engine.state_tensors() if engine is not None else None)
+        return filled_text(groups) or None
+
+    def timeline(self, meter) -> dict | None:
+        return meter.timeline.data() if meter.timeline is not None else None
+
     def oom_columns(self, meter, message: str) -> dict:
         block, segment = meter.tracker.allocator.last_oom or (None, None)
         return {"oom_segment_bytes": segment, "oom_block_bytes": block}
 
     def describe(self) -> dict:
         return {"backend": self.name, "device_name": f"{platform.machine()} CPU ({'fake' if self.fake else 'real'} tensors)"}
+
+
+class LabelledStepReplay(StepReplay):
+    """StepReplay whose replayed forward and backward label their blocks as the logged step labelled its own
+    (vlmprobe.estimate.tracker.Attribution.replaying): the modules' hooks do not run in a replay."""
+
+    def __init__(self, tracker: LiveBytesTracker, optimizer, towers=()):
+        super().__init__(tracker, optimizer, towers)
+        self.logged = None  # the first step's AllocationLog, with its labels
+
+    def forward(self, run):
+        if self.plan is not None:
+            return self.tracker.attribution.replaying(self.plan.forward_events, self.logged,
+                                                      lambda: super(LabelledStepReplay, self).forward(run))
+        logging = not self.recorded
+        results = super().forward(run)
+        if logging:
+            self.logged = self.tracker.log  # the log this step's forward and backward fill
+        return results
+
+    def backward(self, run, loss) -> None:
+        if self.plan is not None:
+            self.tracker.attribution.replaying(self.plan.backward_events, self.logged,
+                                               lambda: super(LabelledStepReplay, self).backward(run, loss))
+            return
+        super().backward(run, loss)
 
 
 def reduction_card(profile: DeviceProfile | None) -> reduction_staging.Card | None:

@@ -9,6 +9,11 @@ active and requested bytes with their peaks, `num_alloc_retries` and `num_ooms`.
 Not modelled: several streams, CUDA graphs and other private pools, `cudaMallocAsync`, cudaMalloc failures other than
 the capacity model (the card's whole memory, the CUDA context not subtracted), and memory outside the caching
 allocator. The rules one by one, and how torch's changed across 2.11-2.13: docs/estimate.md.
+
+`Timeline` keeps allocated and reserved over a point's run for timeline.png: after each allocation (a free lowers
+allocated and never changes reserved, so no maximum falls between two allocations), bucketed by keeping each
+bucket's maximum, so the curve stays small and no peak is lost. A `watcher` (the tracker's attribution) is told of
+each allocation and of an out-of-memory. Neither changes a figure of the model.
 """
 
 from __future__ import annotations
@@ -20,7 +25,8 @@ import torch
 from vlmprobe.gpu.alloc_conf import AllocatorSettings
 
 __all__ = ["CachingAllocatorModel", "format_size", "get_allocation_size", "kMinBlockSize", "kMinLargeAlloc",
-           "kRoundLarge", "kSmallBuffer", "kSmallSize", "oom_message", "round_size", "roundup_power2_next_division"]
+           "kRoundLarge", "kSmallBuffer", "kSmallSize", "oom_message", "round_size", "roundup_power2_next_division",
+           "Timeline"]
 
 # c10/core/AllocatorConfig.h (torch 2.13; same values in CUDACachingAllocator.cpp before).
 kMinBlockSize = 512  # all sizes are rounded to at least 512 bytes
@@ -189,6 +195,8 @@ class CachingAllocatorModel:
         self._unmapped: dict[int, _Block] = {}  # address -> unmapped range of an expandable segment
         self._live: dict[int, _Block] = {}  # handle (= block address) -> allocated block
         self._next_addr = _FIRST_ADDR  # synthetic cudaMalloc / address reservation: increasing, never reused
+        self.timeline: Timeline | None = None  # while set, allocated and reserved after each allocation
+        self.watcher = None  # while set, its allocated(handle) after each allocation, ran_out(self) at an out-of-memory
 
     # ---- public interface -------------------------------------------------------------------
 
@@ -218,6 +226,8 @@ class CachingAllocatorModel:
             if block is None:
                 self.num_ooms += 1
                 self.last_oom = (size, alloc_size)
+                if self.watcher is not None:
+                    self.watcher.ran_out(self)
                 total = next(t for t in (self.capacity, self.allowed_maximum, _ADDR_MASK) if t is not None)
                 raise torch.OutOfMemoryError(oom_message(alloc_size, total, total - self.reserved, self.allocated,
                                                          self.reserved, self.allowed_maximum))
@@ -252,6 +262,10 @@ class CachingAllocatorModel:
         self.requested += nbytes
         if self.requested > self.peak_requested:
             self.peak_requested = self.requested
+        if self.timeline is not None:
+            self.timeline.note(self.allocated, self.reserved)
+        if self.watcher is not None:
+            self.watcher.allocated(block.addr)
         return block.addr
 
     def free(self, handle: int) -> None:
@@ -276,6 +290,10 @@ class CachingAllocatorModel:
         if handle == 0:
             return 0
         return self._live[handle].size
+
+    def live_sizes(self) -> dict[int, int]:
+        """handle -> bytes charged (its block's size), of every live allocation."""
+        return {handle: block.size for handle, block in self._live.items()}
 
     def reset_peak(self) -> None:
         """resetPeakStats: every peak becomes its current value."""
@@ -588,6 +606,56 @@ class CachingAllocatorModel:
         assert all(p.keys == sorted(p.keys) and p.unmapped == sorted(p.unmapped) for p in pools)
         assert self.allocated <= self.reserved
         assert self.peak_allocated >= self.allocated and self.peak_reserved >= self.reserved
+
+
+class Timeline:
+    """Allocated and reserved bytes after each allocation of a run, at most `limit` samples: the allocations are
+    cut into buckets of `width` allocations and a bucket keeps the maximum of each figure over it; when there are
+    `limit` buckets, each pair is merged (the maximum of the two) and the width doubles. So the samples hold
+    between limit / 2 and limit buckets, the highest allocated and reserved of the run among them. `phases`: (name,
+    first allocation, allocation after its last), in allocations, from `begin` / `end`."""
+
+    def __init__(self, limit: int = 2000):
+        self.limit = limit - limit % 2 or 2
+        self.width = 1
+        self.count = 0  # allocations noted
+        self.allocated: list[int] = []  # per bucket, its maximum (the last bucket may be filling)
+        self.reserved: list[int] = []
+        self.phases: list[list] = []
+
+    def note(self, allocated: int, reserved: int) -> None:
+        if self.count % self.width:  # the last bucket is filling
+            if allocated > self.allocated[-1]:
+                self.allocated[-1] = allocated
+            if reserved > self.reserved[-1]:
+                self.reserved[-1] = reserved
+        else:
+            if len(self.allocated) == self.limit:
+                self.allocated = [max(pair) for pair in zip(self.allocated[::2], self.allocated[1::2])]
+                self.reserved = [max(pair) for pair in zip(self.reserved[::2], self.reserved[1::2])]
+                self.width *= 2
+            self.allocated.append(allocated)
+            self.reserved.append(reserved)
+        self.count += 1
+
+    def begin(self, phase: str) -> None:
+        self.phases.append([str(phase), self.count, None])
+
+    def end(self, phase: str) -> None:
+        """Close the last open span of `phase` (no span open: one from where the last span ended)."""
+        for span in reversed(self.phases):
+            if span[0] == str(phase) and span[2] is None:
+                span[2] = self.count
+                return
+        self.phases.append([str(phase), self.phases[-1][2] if self.phases else 0, self.count])
+
+    def data(self) -> dict:
+        """As plain data (JSON): `x` the first allocation of each bucket, `allocated` and `reserved` its maxima,
+        `phases` [name, first, end] (an end of None: it ran to the end, as an out-of-memory leaves it)."""
+        return {"unit": "allocations", "allocations": self.count, "width": self.width,
+                "x": [i * self.width for i in range(len(self.allocated))],
+                "allocated": list(self.allocated), "reserved": list(self.reserved),
+                "phases": [list(span) for span in self.phases]}
 
 
 def _expandable_size(block: _Block) -> int:

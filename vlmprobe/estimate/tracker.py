@@ -7,6 +7,21 @@ dies, or resized in place (`resize_`); the figures are that model's. Host storag
 counted apart. What CUDA allocates that no op returns, or returns differently (vlmprobe.estimate.cuda_rules), and
 cuBLAS workspaces are charged where CUDA makes them. Storages from before the tracker starts and tensors made from
 Python data (`torch.tensor(...)`) are not counted. The details: docs/estimate.md.
+
+What filled the memory at an out-of-memory (`Attribution`, on where a capacity makes one possible): each block of the
+allocator model is labelled when it is allocated with the module whose forward (forward pre/post hooks on the model's
+own modules) or backward (a hook on each module output's gradient: the module whose output gradient came last) runs,
+the phase (steps.common.PhaseClock) and its tensor's dtype; a replayed step's blocks take the labels of the step it
+replays. When the model runs out, the live blocks are grouped by (module, kind, dtype), a kind read from what holds
+them (weights, gradients, optimizer state) or from the phase they were made in; the index of a block in a ModuleList
+is shown as * (layers.*.mlp), so a tower's layers make one group rather than one each. Hooks, not torch's ModuleTracker:
+its multi-grad hooks hold every output gradient of a module until the last one arrives, which changes the frees
+(torch/autograd/graph.py register_multi_grad_hook, mode "all", torch 2.13). Limits: a module's backward is known only
+from its outputs' gradients, so ops between two modules' backwards go to the one before; a replayed tower block's
+(vlmprobe.estimate.replay.blocks) own modules are not hooked (hooks would stop the replay), so its blocks go to the
+tower; blocks made while loading, not weights, carry no dtype (a kept model's replayed build has none); a GRPO / DPO
+reference model is not hooked (its weights count as made while loading, its activations as of no module), and
+FSDP2's gathered parameters count as activations of the module that gathered them.
 """
 
 from __future__ import annotations
@@ -25,7 +40,8 @@ from vlmprobe.estimate.cuda_rules import embedding_backward, kernel_copies, redu
 from vlmprobe.estimate.cuda_rules.gradient_sums import first_summand
 from vlmprobe.gpu.alloc_conf import AllocatorSettings
 
-__all__ = ["aliases_inputs", "AllocationLog", "LiveBytesTracker", "PLACEMENT"]
+__all__ = ["aliases_inputs", "AllocationLog", "Attribution", "collapsed_names", "filled_text", "KINDS",
+           "LiveBytesTracker", "PLACEMENT"]
 
 _DEVICE = torch.ops.prim.device.default
 _FAKE = torch._C._TorchDispatchModeKey.FAKE
@@ -81,6 +97,13 @@ class LiveBytesTracker(TorchDispatchMode):
         self.log: AllocationLog | None = None  # while set, every device allocation and free is logged in it
         self.after_free: dict[int, object] = {}  # handle -> callable(), called once that block is freed
         self.below = None  # the fast fake mode beneath this one, where it answers calls directly (_call)
+        self.attribution: Attribution | None = None  # while set, every block labelled (attribute())
+
+    def attribute(self) -> Attribution:
+        """Label every block from now on, for what filled the memory at an out-of-memory (module doc)."""
+        if self.attribution is None:
+            self.attribution = self.allocator.watcher = Attribution()
+        return self.attribution
 
     def track_host(self) -> None:
         """Tell host from device memory from now on (see the module doc)."""
@@ -149,7 +172,7 @@ class LiveBytesTracker(TorchDispatchMode):
         """A bare block of the allocator model (no storage), logged as a storage's would be; free_block frees it."""
         handle = self.allocator.malloc(nbytes)
         if self.log is not None:
-            self.log.malloc(handle, nbytes)
+            self.log.malloc(handle, nbytes, self.attribution.last if self.attribution is not None and handle else None)
         return handle
 
     def free_block(self, handle: int) -> None:
@@ -264,7 +287,10 @@ class LiveBytesTracker(TorchDispatchMode):
             if inputs is None:  # an output aliasing an input (in-place op, view) allocated nothing new
                 inputs = {id(a.untyped_storage()) for a in storage_tensors((args, kwargs))}
             if id(storage) not in inputs:
-                self._charge(storage, self._host is not None and self._placed_on_host(args, kwargs))
+                on_host = self._host is not None and self._placed_on_host(args, kwargs)
+                self._charge(storage, on_host)
+                if self.attribution is not None and not on_host and storage.nbytes():
+                    self.attribution.last[2] = t.dtype  # the block just allocated is this storage's
 
     def _scratch_program(self, func, args, kwargs) -> tuple[list, list]:
         """(before, after) the op's outputs: the blocks CUDA's kernel of `func` makes for itself inside the op, each
@@ -326,7 +352,9 @@ class LiveBytesTracker(TorchDispatchMode):
         self._blas_threads.add(thread)
         self._blas_pending = len(self._blas_threads) < 2
         for nbytes in self.blas_workspaces:
-            self.allocator.malloc(nbytes)  # never freed: torch keeps it until the process exits
+            handle = self.allocator.malloc(nbytes)  # never freed: torch keeps it until the process exits
+            if self.attribution is not None:
+                self.attribution.labels[handle] = [None, WORKSPACE, None]
 
     def _call(self, func, types, args, kwargs):
         """func(*args, **kwargs), answered by the fast fake mode beneath directly where nothing sits between
@@ -361,10 +389,13 @@ class AllocationLog:
         self.marks: list[int] = []
         self.irregular = 0
         self.live: dict[int, int] = {}  # handle -> index of its allocation, while it lives
+        self.labels: dict[int, list] = {}  # index of an allocation -> its Attribution label, where blocks are labelled
 
-    def malloc(self, handle: int, nbytes: int) -> None:
+    def malloc(self, handle: int, nbytes: int, label: list | None = None) -> None:
         if handle:  # 0: a zero-size storage, no block
             self.live[handle] = len(self.events)
+            if label is not None:
+                self.labels[len(self.events)] = label
             self.events.append(nbytes)
 
     def free(self, handle: int) -> None:
@@ -383,6 +414,186 @@ class AllocationLog:
         """The index of the allocation of `tensor`'s storage, if it was allocated in this log and lives."""
         handle = tracker.handle_of(tensor.untyped_storage())
         return None if handle is None else self.live.get(handle)
+
+
+WORKSPACE = "workspace"  # a label's phase for a cuBLAS workspace
+# a block's kind from the phase it was allocated in, where nothing that holds it says (weights, gradients, optimizer state)
+KINDS = {"forward": "activations", "generate": "activations", "reference": "activations",
+         "backward": "activation gradients", WORKSPACE: "cuBLAS workspace", "load": "made while loading"}
+SHORT_DTYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.float64: "fp64"}
+
+
+class Attribution:
+    """Labels of the allocator model's blocks, [module, phase, dtype] each (the module doc): `module` the name of
+    the module running (in the model's named_modules; "" the model itself; None outside it), `phase` the step's
+    phase (vlmprobe.states.Phase, "load" before the first), `dtype` the dtype of the tensor the block holds (None:
+    a bare block, a kernel's own buffer). `at_oom`: handle -> (bytes, label) of every live block when the model
+    last ran out of memory."""
+
+    def __init__(self):
+        self.labels: dict[int, list] = {}  # handle -> label of the block allocated there last
+        self.last: list | None = None  # the label of the last allocation
+        self.module: str | None = None
+        self.phase: str | None = "load"
+        self.queued: list = []  # labels a replay's allocations take, the next one last
+        self.at_oom: dict[int, tuple[int, list | None]] | None = None
+        self.model = None
+        self.shown: dict[str, str] = {}  # a module's name -> its name as the groups show it (collapsed_names)
+        self._stack: list[str] = []  # the modules whose forward runs, innermost last
+        self._hooks: dict = {}  # module -> its two hook handles
+
+    # ---- the allocator model's watcher -------------------------------------------------------------------------
+
+    def allocated(self, handle: int) -> None:
+        label = self.queued.pop() if self.queued else None
+        if label is None:
+            label = [self.module, self.phase, None]
+        self.labels[handle] = self.last = label
+
+    def ran_out(self, allocator) -> None:
+        self.at_oom = {handle: (size, self.labels.get(handle)) for handle, size in allocator.live_sizes().items()}
+
+    # ---- what runs ---------------------------------------------------------------------------------------------
+
+    def enter_phase(self, phase: str | None) -> None:
+        """The step's phase from here (None: between phases); the module is the one whose forward runs, if any."""
+        self.phase = phase
+        self.module = self._stack[-1] if self._stack else None
+
+    def watch(self, model) -> None:
+        """Hook each of `model`'s modules (named as in named_modules) to say whose forward and backward runs."""
+        self.model = model
+        self.shown = collapsed_names(model)
+        for name, module in model.named_modules():
+            if module not in self._hooks:
+                self._hooks[module] = (module.register_forward_pre_hook(functools.partial(self._enter, name)),
+                                       module.register_forward_hook(functools.partial(self._leave, name)))
+
+    def unwatch(self, modules=None) -> None:
+        """Remove the hooks of `modules` (every module's if None)."""
+        for module in list(self._hooks) if modules is None else modules:
+            for handle in self._hooks.pop(module, ()):
+                handle.remove()
+
+    def _enter(self, name: str, module, args) -> None:
+        self._stack.append(name)
+        self.module = name
+
+    def _leave(self, name: str, module, args, output) -> None:
+        if self._stack and self._stack[-1] == name:
+            self._stack.pop()
+        self.module = self._stack[-1] if self._stack else None
+        if torch.is_grad_enabled():
+            for t in _tensors_in(output):
+                if t.requires_grad and t.grad_fn is not None:
+                    t.register_hook(functools.partial(self._backward_of, name))
+
+    def _backward_of(self, name: str, grad) -> None:
+        self.module = name  # the gradient of this module's output is here: its backward runs next
+
+    def replaying(self, events, log: AllocationLog | None, play):
+        """`play()` (a replay of `events`, AllocationLog events as vlmprobe.estimate.replay.playback.play_events
+        gives them), each of its allocations labelled as the logged one it replays."""
+        self.queued = [log.labels.get(event[1]) for event in reversed(events) if event[0] != "free"] if log else []
+        try:
+            return play()
+        finally:
+            self.queued = []
+
+    # ---- at an out-of-memory -----------------------------------------------------------------------------------
+
+    def filled(self, tracker: LiveBytesTracker, optimizer=None, state: list | None = None,
+               top: int = 5) -> list[tuple[str | None, str, str | None, int]]:
+        """The `top` largest (module, kind, dtype, bytes) groups of the blocks live when the model last ran out,
+        largest first; the bytes are the blocks' (as allocated counts them). Kind: weights, buffers, gradients and
+        optimizer state where the model's parameters and buffers, their .grad or the optimizer's state (`optimizer`,
+        and `state`: the engine's state tensors, of no module where the optimizer's state does not name them) hold
+        the block; else from the phase it was made in (KINDS: "made while loading" is mostly the batch; "other":
+        between phases, in the optimizer step). [] where it has not run out."""
+        if self.at_oom is None:
+            return []
+        known: dict[int, tuple] = {}
+
+        def hold(tensor, module, kind) -> None:
+            for t in storage_tensors(tensor):
+                handle = tracker.handle_of(t.untyped_storage())
+                if handle in self.at_oom and handle not in known:
+                    known[handle] = (module, kind, dtype_name(t.dtype))
+
+        owners: dict[int, str] = {}
+        if self.model is not None:
+            for name, p in self.model.named_parameters():
+                owners[id(p)] = name.rpartition(".")[0]
+                hold(p, owners[id(p)], "weights")
+                if p.grad is not None:
+                    hold(p.grad, owners[id(p)], "gradients")
+            for name, b in self.model.named_buffers():
+                hold(b, name.rpartition(".")[0], "buffers")
+        if optimizer is not None:
+            for p, values in optimizer.state.items():
+                for value in values.values():
+                    if isinstance(value, torch.Tensor):
+                        hold(value, owners.get(id(p)), "optimizer state")
+        for t in state or ():
+            hold(t, None, "optimizer state")
+        groups: dict[tuple, int] = {}
+        for handle, (size, label) in self.at_oom.items():
+            key = known.get(handle)
+            if key is None:
+                module, phase, dtype = label or (None, None, None)
+                key = (module, KINDS.get(phase, "other"), None if phase == "load" else dtype_name(dtype))
+            key = (self.shown.get(key[0], key[0]), *key[1:])
+            groups[key] = groups.get(key, 0) + size
+        root = type(self.model).__name__ if self.model is not None else None
+        ranked = sorted(groups.items(), key=lambda item: (-item[1], str(item[0])))
+        return [(root if module == "" else module, kind, dtype, size) for (module, kind, dtype), size in ranked[:top]]
+
+
+def collapsed_names(model) -> dict[str, str]:
+    """Each module's name in `model` (named_modules) -> the same with the index of each block of a ModuleList as *
+    (model.layers.3.mlp -> model.layers.*.mlp); a Sequential's children, of different kinds, keep theirs."""
+    shown = {"": ""}
+    for name, module in model.named_modules():
+        for child, _ in module.named_children():
+            part = "*" if isinstance(module, torch.nn.ModuleList) and child.isdigit() else child
+            shown.setdefault(f"{name}.{child}" if name else child,
+                             f"{shown.get(name, name)}.{part}" if shown.get(name, name) else part)
+    return shown
+
+
+def dtype_name(dtype) -> str | None:
+    if dtype is None:
+        return None
+    return SHORT_DTYPES.get(dtype, str(dtype).removeprefix("torch."))
+
+
+def filled_text(groups) -> str:
+    """Attribution.filled's groups as the row's oom_filled: "fp32 activations of lm_head 4.64 GiB; ..."."""
+    return "; ".join(f"{dtype + ' ' if dtype else ''}{kind}{' of ' + module if module else ''} {_size(size)}"
+                     for module, kind, dtype, size in groups)
+
+
+def _size(nbytes: int) -> str:
+    """GiB from 1 GiB, MiB from 1 MiB, KiB below (1024-based)."""
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:.2f} {unit}" if unit == "GiB" else f"{nbytes / scale:.1f} {unit}"
+    return f"{nbytes / 2**10:.1f} KiB"
+
+
+def _tensors_in(output) -> list[torch.Tensor]:
+    """The tensors of a module's output: itself, or those in its tuples, lists and dicts (ModelOutput), one level
+    of nesting deep."""
+    if isinstance(output, torch.Tensor):
+        return [output]
+    items = output.values() if isinstance(output, dict) else output if isinstance(output, (list, tuple)) else ()
+    found = []
+    for item in items:
+        if isinstance(item, torch.Tensor):
+            found.append(item)
+        elif isinstance(item, (list, tuple)):
+            found.extend(t for t in item if isinstance(t, torch.Tensor))
+    return found
 
 
 @functools.cache

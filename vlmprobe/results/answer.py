@@ -4,7 +4,9 @@ Progress and notices go to stderr; this goes to stdout, so it can be piped (`out
 instead). A point fits when what the card would show (predicted_device_bytes: peak reserved + the CUDA context)
 stays within the capacity it ran against; without a card (device=none) there is no verdict, only what it needs.
 The breakdown is what the row measured: weights, gradients and optimizer state as they stand after the step, and
-the rest of the peak (activations, the loss, workspaces) as the difference. Sizes in GiB (2^30 B).
+the rest of the peak (activations, the loss, workspaces) as the difference. Sizes in GiB (2^30 B). An out-of-memory
+verdict names the largest one or two groups of what was live when it ran out, where the row has them (oom_filled:
+estimate and cpu).
 """
 
 from __future__ import annotations
@@ -71,7 +73,10 @@ def verdict(row: dict) -> str:
         where = f" in {phase}" if phase else ""
         need = f", asking for {size(asked)}" if asked else ""
         held = figure(row, "peak_allocated_bytes")
-        return f"{name}: does not fit{on}: ran out{where}{need} with {size(held)} allocated of {size(capacity)}"
+        filled = row.get("oom_filled")
+        largest = f"; largest live: {', '.join(filled.split('; ')[:2])}" if isinstance(filled, str) and filled else ""
+        return (f"{name}: does not fit{on}: ran out{where}{need} with {size(held)} allocated of {size(capacity)}"
+                f"{largest}")
     if status != Status.OK:
         return f"{name}: {status}: {str(row.get('error') or '').splitlines()[0] if row.get('error') else 'no figures'}"
     need, peak = shown(row), figure(row, "peak_allocated_bytes")

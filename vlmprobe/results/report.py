@@ -1,4 +1,8 @@
-"""The tables a person reads at the end of a sweep: results.parquet, summary.md and plot.png.
+"""The tables a person reads at the end of a sweep: results.parquet, summary.md, plot.png and timeline.png.
+
+timeline.png draws what timeline.jsonl keeps (estimate and cpu points; cuda keeps none): allocated and reserved
+over one point's run, each sample the maximum of its bucket of allocations, so no peak is lost
+(vlmprobe.estimate.allocator.Timeline), its phases shaded; one panel per point, the largest six by peak.
 
 A sweep the published nanoVLM issue #103 table speaks to (vlmprobe.results.published.matches) also gets our figures
 beside the published ones, the finding as numbers, and the RTX 3090's capacity on the plot.
@@ -11,13 +15,14 @@ from pathlib import Path
 import pandas as pd
 
 from vlmprobe.errors import WriteError, first_line, log_internal_error
-from vlmprobe.results import finding, published
+from vlmprobe.results import finding, html_report, published
 from vlmprobe.results.answer import breakdown, card_name, records
-from vlmprobe.results.table import axis_column, mib, pivot, read_table, replacing, value_text
+from vlmprobe.results.table import axis_column, mib, pivot, read_table, read_timelines, replacing, value_text
 from vlmprobe.sizes import GiB
 from vlmprobe.states import Status
 
-__all__ = ["host_memory", "NO_CARD", "on_the_card", "plot", "pyplot", "summary_markdown", "write_reports"]
+__all__ = ["host_memory", "NO_CARD", "on_the_card", "out_of_memory", "plot", "pyplot", "summary_markdown",
+           "timeline_plot", "write_reports"]
 
 BACKEND_WORDS = {
     "cuda": "measured on a CUDA GPU (torch.cuda.max_memory_allocated)",
@@ -52,10 +57,14 @@ def write_reports(out_dir: Path, axes: list[str], env: dict) -> tuple[pd.DataFra
     beside = attempt("the comparison with the published figures",
                      lambda: published_markdown(out_dir, table), "") if matched else ""
     attempt("summary.md", lambda: write_text(out_dir / "summary.md", summary_markdown(shown, axes, env, beside)))
+    attempt("report.html", lambda: html_report.write_report_html(out_dir, shown, axes, env))
     if len(table):
         overlay = dict(capacity_bytes=published.DEVICE_BYTES, capacity_label=f"{published.DEVICE} capacity",
                        reference=published.load(), reference_label=f"published ({published.DEVICE})")
         attempt("plot.png", lambda: plot(shown, axes, out_dir / "plot.png", **(overlay if matched else card(table))))
+        timelines = attempt("timeline.jsonl", lambda: read_timelines(out_dir), {})
+        if timelines:
+            attempt("timeline.png", lambda: timeline_plot(table, timelines, out_dir / "timeline.png"))
     return table, failures
 
 
@@ -128,6 +137,7 @@ def summary_markdown(table: pd.DataFrame, axes: list[str], env: dict, beside: st
         lines += on_the_card(table)
         lines += rank_spread(table)
         lines += host_memory(table)
+        lines += out_of_memory(table)
         failed = table[~table["status"].isin([Status.OK, Status.OOM])]
         if len(failed):
             lines += ["## Points that failed", ""]
@@ -205,6 +215,26 @@ def host_memory(table: pd.DataFrame) -> list[str]:
     return ["## Host memory per rank (offload to the CPU)", "",
             "What one rank keeps in host memory (offloaded partitions, optimizer state, pinned buffers): outside "
             "every device column; a node holds dist.ranks_per_node such ranks.", "",
+            shown.to_markdown(index=False, disable_numparse=True), ""]
+
+
+def out_of_memory(table: pd.DataFrame) -> list[str]:
+    """The points that ran out of memory: where, what it asked for, and what filled the memory then (oom_filled,
+    estimate and cpu rows)."""
+    if "oom_filled" not in table:
+        return []
+    rows = table[(table["status"] == Status.OOM) & table["oom_filled"].notna()]
+    if not len(rows):
+        return []
+    shown = pd.DataFrame({"point_id": rows["point_id"], "ran out in": rows["peak_phase"],
+                          "asked MiB": rows["oom_block_bytes"].map(mib),
+                          "allocated MiB": rows["peak_allocated_bytes"].map(mib),
+                          "largest live groups (module, kind, dtype)": rows["oom_filled"]})
+    return ["## What filled the memory when a point ran out", "",
+            "The blocks live when the allocator could not serve the request, grouped by the module that made them "
+            "(its forward or backward running), their kind (weights, gradients and optimizer state by what holds "
+            "them; activations by the phase that made them) and dtype; the five largest "
+            "(vlmprobe/estimate/tracker.py, Attribution).", "",
             shown.to_markdown(index=False, disable_numparse=True), ""]
 
 
@@ -346,6 +376,62 @@ def plot(table: pd.DataFrame, axes: list[str], path: Path, capacity_bytes: int |
     fig.tight_layout()
     with replacing(path) as partial:
         fig.savefig(partial, dpi=120)
+    plt.close(fig)
+
+
+PHASE_COLOURS = {"load": "0.85", "generate": "C4", "reference": "C5", "forward": "C2", "backward": "C3",
+                 "optimizer": "C1"}
+TIMELINE_PANELS = 6
+
+
+def timeline_plot(table: pd.DataFrame, timelines: dict[str, dict], path: Path) -> None:
+    """Allocated and reserved over each point's run (timelines: point_id -> vlmprobe.estimate.allocator.Timeline
+    .data), one panel per point, the TIMELINE_PANELS largest by their highest allocated; phases shaded; the
+    capacity the point ran against as a line where it is on the panel's scale, else in its title."""
+    plt = pyplot()
+
+    rows = {row["point_id"]: row for row in records(table)}
+    chosen = sorted((p for p in timelines if p in rows and timelines[p].get("allocated")),
+                    key=lambda p: -max(timelines[p]["allocated"]))[:TIMELINE_PANELS]
+    if not chosen:
+        return
+    fig, axes = plt.subplots(len(chosen), 1, figsize=(9, 2.6 * len(chosen) + 0.6), squeeze=False)
+    for ax, point_id in zip(axes[:, 0], chosen):
+        data, row = timelines[point_id], rows[point_id]
+        top = max(max(data["reserved"]), max(data["allocated"]))
+        unit, scale = ("GiB", GiB) if top >= GiB else ("MiB", 2**20)
+        end = data["allocations"]
+        shaded = set()
+        for name, first, last in data["phases"]:
+            label = name if name not in shaded else None
+            shaded.add(name)
+            ax.axvspan(first, end if last is None else last, color=PHASE_COLOURS.get(name, "0.7"), alpha=0.15,
+                       lw=0, label=label)
+        x = [*data["x"], end]
+        for key, colour in (("reserved", "C0"), ("allocated", "k")):
+            values = [v / scale for v in data[key]]
+            ax.step(x, [*values, values[-1]], where="post", color=colour, lw=1, label=key)
+        title = f"{point_id}: {row['status']}"
+        capacity = row.get("imposed_capacity_bytes")
+        if capacity is not None and not pd.isna(capacity):
+            name = card_name(row)
+            if capacity <= 2 * top:
+                ax.axhline(capacity / scale, color="red", linestyle=":", label=f"{name or 'capacity'}: "
+                           f"{capacity / scale:,.2f} {unit}")
+            else:
+                title += f" (capacity {capacity / GiB:,.2f} GiB{' of the ' + name if name else ''}, off the scale)"
+        ax.set_title(title, fontsize=9)
+        ax.set_xlim(0, max(end, 1))
+        ax.set_ylim(0, top / scale * 1.3)  # room for the legend above the curves
+        ax.set_ylabel(f"{unit} (1024-based)")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7, loc="upper left", ncol=4)
+    axes[-1, 0].set_xlabel("allocations so far (each sample the highest of its bucket of allocations)")
+    backends = ", ".join(BACKEND_TITLES.get(b, b) for b in sorted(table["backend"].dropna().unique()))
+    fig.suptitle(f"{table['sweep'].iloc[0]}: allocated and reserved over a point's run, {backends}", fontsize=10)
+    fig.tight_layout()
+    with replacing(path) as partial:
+        fig.savefig(partial, dpi=110)
     plt.close(fig)
 
 

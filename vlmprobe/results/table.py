@@ -1,7 +1,9 @@
 """Rows on disk: the schema, the CSV appended after every point, and the tables made from it at the end.
 
 One row per point, one column per variable; memory figures are integers in bytes (an empty cell is a value
-the backend cannot know, never zero). Reports show MiB/GiB, 1024-based.
+the backend cannot know, never zero). Reports show MiB/GiB, 1024-based. Beside results.csv, timeline.jsonl holds each
+point's timeline where its backend keeps one (estimate, cpu): one JSON line a point, appended as its row is, the
+last line of a point winning (a point run again on resume); a line cut short by a kill is skipped.
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ import contextlib
 import csv
 import io
 import itertools
+import json
 import os
 import re
 from pathlib import Path
@@ -20,9 +23,10 @@ from vlmprobe.errors import WriteError, first_line
 from vlmprobe.sizes import MiB
 from vlmprobe.states import Status
 
-__all__ = ["axis_column", "columns_for", "gpu_check_runs", "INPUT_COLUMNS", "integer_column", "mib", "pivot",
-           "RANK_COLUMNS", "RANK_VALUE_COLUMNS", "read_results_dir", "read_table", "repair", "replacing", "RowWriter", "SUPERSEDED",
-           "superseded", "value_text", "write_atomically"]
+__all__ = ["append_timeline", "axis_column", "columns_for", "gpu_check_runs", "INPUT_COLUMNS", "integer_column",
+           "mib", "pivot", "RANK_COLUMNS", "RANK_VALUE_COLUMNS", "read_results_dir", "read_table", "read_timelines",
+           "repair", "replacing", "RowWriter", "SUPERSEDED", "superseded", "TIMELINES", "value_text",
+           "write_atomically"]
 
 INPUT_COLUMNS = [
     "sweep", "point_id", "case", "model", "model_source", "params", "trainable_params", "dtype", "autocast_dtype", "optimizer",
@@ -59,6 +63,7 @@ OUTPUT_COLUMNS = [
     "params_bytes", "grads_bytes", "optimizer_state_bytes", "optimizer_state_dtype", "activations_bytes",
     "oom_block_bytes",  # oom rows: the block the allocator was asked for (the tensor's bytes rounded up to 512)
     "oom_segment_bytes",  # oom rows: the segment it tried to reserve for it (the size CUDA's message prints)
+    "oom_filled",  # oom rows (estimate, cpu): the largest live groups by module, kind and dtype when it ran out
     "imposed_capacity_bytes",  # the device capacity the point ran against, where one was imposed (else the card's)
     "allocator_backend",  # cuda: native | cudaMallocAsync, as the worker's allocator really ran
     "step_time_s", "snapshot_file", "notes", "error",
@@ -250,6 +255,38 @@ def read_results_dir(out_dir: Path) -> pd.DataFrame:
         return read_table(csv)
     except Exception as exc:  # any unreadable file is bad input, whatever pandas calls it
         raise ValueError(f"{csv} could not be read: {exc}") from None
+
+
+TIMELINES = "timeline.jsonl"  # beside results.csv: each point's timeline (module doc)
+
+
+def append_timeline(out_dir: Path, point_id: str, timeline: dict) -> None:
+    """Append `point_id`'s timeline (vlmprobe.estimate.allocator.Timeline.data) to out_dir/timeline.jsonl."""
+    path = Path(out_dir) / TIMELINES
+    try:
+        with path.open("a") as f:
+            f.write(json.dumps({"point_id": point_id, **timeline}) + "\n")
+            f.flush()
+    except OSError as exc:
+        raise WriteError(f"{path} could not be written ({first_line(exc)}); the rows are kept in results.csv, and the "
+                         f"sweep stops here") from exc
+
+
+def read_timelines(out_dir: Path) -> dict[str, dict]:
+    """point_id -> its timeline, from out_dir/timeline.jsonl ({} without one); a line that is not whole JSON is
+    skipped, and a later line of a point wins."""
+    path = Path(out_dir) / TIMELINES
+    if not path.exists():
+        return {}
+    timelines = {}
+    for line in path.read_text(errors="replace").splitlines():
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(record, dict) and "point_id" in record:
+            timelines[record.pop("point_id")] = record
+    return timelines
 
 
 def gpu_check_runs(root: Path, sweep: str = "*", part: str = "nightly") -> list[Path]:

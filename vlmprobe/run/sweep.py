@@ -16,7 +16,7 @@ from tqdm.auto import tqdm
 from vlmprobe import interrupt
 from vlmprobe.errors import ConfigError
 from vlmprobe.point.measure import error_row, measure
-from vlmprobe.results.table import RowWriter, mib, read_table
+from vlmprobe.results.table import RowWriter, append_timeline, mib, read_table
 from vlmprobe.run.ranks import RankWriter, run_ranks
 from vlmprobe.run.workers import call_worker, isolated, worker_env
 from vlmprobe.states import Status
@@ -77,8 +77,11 @@ class Runner:
         outputs.setdefault("backend", item.config["measure"]["backend"])
         if "ranks" in outputs:
             self.ranks.append(item.point.id, outputs.pop("ranks"))
+        timeline = outputs.pop("timeline", None)  # not a column: timeline.jsonl (vlmprobe.results.table)
         row = {**item.inputs, **outputs}
         self.writer.append(row)
+        if timeline is not None:
+            append_timeline(self.out_dir, item.point.id, timeline)
         self.done[item.point.id] = row
         self.statuses.append(row["status"])
         peak = mib(row.get("peak_allocated_bytes"))

@@ -34,6 +34,8 @@ class Meter(Protocol):
     def reset_peak(self) -> None:
         """Start a new peak window at the current figures."""
 
+    # optional: mark_phase(phase, started) is told where each phase starts and ends (the estimate's timeline)
+
 
 class Engine(Protocol):
     """What a step asks of the engine that owns the model and optimizer of one rank (single GPU, DDP, FSDP2,
@@ -79,6 +81,7 @@ class PhaseClock:
     def __init__(self, meter: Meter, report: StepReport):
         self.meter, self.report = meter, report
         self.step_peaks: dict[str, int] = {}
+        self.mark = getattr(meter, "mark_phase", None)  # a meter that keeps a timeline (Meter's optional method)
         meter.sync()
         meter.reset_peak()  # the first window opens after load: the model and batch are in `current`
 
@@ -95,9 +98,13 @@ class PhaseClock:
     def enter(self, phase: Phase) -> None:
         """Say which phase runs from here (the row's peak_phase if memory runs out in it); opens no window."""
         self.report.running = phase
+        if self.mark is not None:
+            self.mark(phase, True)
 
     def close(self, phase: Phase) -> None:
         self.meter.sync()  # kernels queued in this phase must be done before the peak is read
+        if self.mark is not None:
+            self.mark(phase, False)
         peaks = self.meter.peaks()
         self.report.phase_peaks[phase] = max(self.report.phase_peaks.get(phase, 0), peaks["allocated"])
         for key, value in peaks.items():
