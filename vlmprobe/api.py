@@ -12,13 +12,15 @@ Ctrl-C raises KeyboardInterrupt with every finished row kept.
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 import pandas as pd
 
 from vlmprobe.config.grid import format_value
-from vlmprobe.config.overrides import compose_command, composing, with_hub_ids
+from vlmprobe.config.overrides import composing, with_hub_ids
+from vlmprobe.config.recipes import apply_recipe
 from vlmprobe.errors import ConfigError
 from vlmprobe.results.table import read_table
 from vlmprobe.run import command
@@ -60,8 +62,10 @@ def run(*args: str, **settings) -> Result:
     argv = overrides_of(args, settings)
     state: dict = {"out_dir": None}
     with composing() as compose:
-        cfg = compose_command(compose, argv)
-        code = command.run(cfg, argv, compose, state)
+        applied = apply_recipe(compose, argv)
+        for line in applied.lines:
+            print(line, file=sys.stderr, flush=True)
+        code = command.run(applied.cfg, applied.argv, compose, state)
     if state["out_dir"] is None:  # dry_run=true: nothing written
         raise ConfigError("dry_run=true is not allowed from Python: it writes no table to return; plan with the "
                           "command line instead")

@@ -16,7 +16,8 @@ import logging
 import sys
 
 from vlmprobe import interrupt
-from vlmprobe.config.overrides import compose_command, composing, with_config_dirs, with_hub_ids
+from vlmprobe.config.overrides import composing, with_config_dirs, with_hub_ids
+from vlmprobe.config.recipes import apply_recipe
 from vlmprobe.errors import ConfigError, WriteError, first_line, log_internal_error
 from vlmprobe.paths import CONF
 
@@ -88,10 +89,13 @@ def show_config(argv: list[str]) -> int:
     """`--cfg job`: the command line's composed config as YAML, each override checked as a run checks it."""
     try:
         with composing() as compose:
-            cfg = compose_command(compose, argv)
+            applied = apply_recipe(compose, argv)
     except ConfigError as exc:
         say(f"vlmprobe: {exc}")
         return 2
+    for line in applied.lines:
+        say(line)
+    cfg = applied.cfg
     from omegaconf import OmegaConf
 
     return show(OmegaConf.to_yaml(cfg).rstrip())
@@ -105,12 +109,14 @@ def run_guarded(argv: list[str], state: dict) -> int:
         return 2
     try:
         with composing() as compose:
-            cfg = compose_command(compose, argv)  # a bad override is refused before torch is imported
+            applied = apply_recipe(compose, argv)  # a bad override is refused before torch is imported
+            for line in applied.lines:
+                say(line)
             with interrupt.deferred():
                 # imported here, after the command line is known to be good, and with a Ctrl-C deferred: torch's,
                 # transformers' and pandas' native start-up code crashes the process when interrupted inside
                 from vlmprobe.run import command
-            return command.run(cfg, argv, compose, state)
+            return command.run(applied.cfg, applied.argv, compose, state)
     except ConfigError as exc:
         if interrupt.received():  # a library failed because Ctrl-C struck inside it
             raise KeyboardInterrupt from None

@@ -85,6 +85,7 @@ def measure_once(point: dict, replay_blocks: bool) -> dict:
             if not is_out_of_memory(exc):
                 raise
             ran_out(backend, meter, report, out, str(exc))
+            out["oom_filled"] = backend.oom_filled(meter, loaded.engine if loaded is not None else None)
             held = held_when_out(loaded)
         read_figures(backend, meter, point, card, report, out)
         out.update(held)
@@ -163,10 +164,12 @@ def ran_out(backend, meter, report: StepReport, out: dict, message: str) -> None
 def read_figures(backend, meter, point: dict, card, report: StepReport, out: dict) -> None:
     """The row's figures from the report and the backend, its notes, and its snapshot where one is written."""
     meter.notes.extend(quantization.notes(point["train"], backend.name) + quantization.optimizer_notes(point["optimizer"])
-                       + liger.notes(point["train"]))
+                       + liger.notes(point["train"]) + recipe_notes(point.get("recipe")))
     out.update(report_columns(report))
     out["imposed_capacity_bytes"] = meter.capacity
     out.update(backend.final_stats(meter))
+    if (timeline := backend.timeline(meter)) is not None:  # not a column: vlmprobe.run.sweep writes it apart
+        out["timeline"] = timeline
     if out["status"] == Status.OK:  # an oom row's reservation is the capacity it ran into, not a prediction
         out["predicted_device_bytes"] = backend.predicted_device_bytes(meter, card)
         if out["predicted_device_bytes"] is not None and (note := device_profile.context_note(card)):
@@ -175,6 +178,13 @@ def read_figures(backend, meter, point: dict, card, report: StepReport, out: dic
     path = point["measure"].get("snapshot_file")
     if path and (point["measure"]["snapshot"] or out["status"] == Status.OOM):
         out["snapshot_file"] = path if backend.write_snapshot(meter, path) else None
+
+
+def recipe_notes(recipe: dict | None) -> list[str]:
+    """What the point's recipe (conf/recipe/) does that the estimate does not model, each said in the row's notes."""
+    if not recipe:
+        return []
+    return [f"recipe {recipe['name']} does, not modelled here: {item}" for item in recipe.get("not_modelled") or []]
 
 
 def report_columns(report: StepReport) -> dict:
