@@ -19,14 +19,16 @@ PACKAGE = REPO / "vlmprobe"
 # own; two folders of one layer do not import each other. docs/architecture.md draws the same layers.
 LAYERS = [
     ["vlmprobe.__main__"],
+    ["vlmprobe.web"],  # vlmprobe serve: the web page, through vlmprobe.api
     ["vlmprobe.cli", "vlmprobe.api"],  # the command line; the same from Python
     ["vlmprobe.run"],  # the sweep's side of the process boundary
     ["vlmprobe.config"],  # what a point is, validated
     ["vlmprobe.point"],  # a point's side of the process boundary
     ["vlmprobe.backends", "vlmprobe.distributed", "vlmprobe.knobs"],
-    ["vlmprobe.estimate", "vlmprobe.steps", "vlmprobe.quantization", "vlmprobe.kernels", "vlmprobe.results"],
+    ["vlmprobe.estimate", "vlmprobe.steps", "vlmprobe.quantization", "vlmprobe.kernels", "vlmprobe.results",
+     "vlmprobe.dataset"],
     ["vlmprobe.gpu", "vlmprobe.models", "vlmprobe.optimizers"],
-    ["vlmprobe.sizes", "vlmprobe.script_args"],
+    ["vlmprobe.sizes", "vlmprobe.script_args", "vlmprobe.recipes"],
     ["vlmprobe", "vlmprobe.errors", "vlmprobe.paths", "vlmprobe.states", "vlmprobe.child", "vlmprobe.interrupt",
      "vlmprobe.hub"],
 ]

@@ -27,6 +27,11 @@ def console() -> None:
         os._exit(exit_code[0])
 
     atexit.register(flush_and_exit)
+    if sys.argv[1:2] == ["serve"]:  # the web page (vlmprobe.web): its own arguments, --host, --port
+        from vlmprobe.web.serve import serve  # after the handler: see above
+
+        exit_code[0] = serve(sys.argv[2:])
+        sys.exit(exit_code[0])
     from vlmprobe.cli import main  # after the handler: see above
 
     exit_code[0] = main()
