@@ -23,6 +23,7 @@ import time
 from pathlib import Path
 
 import pandas as pd
+import pytest
 
 from conftest import REPO
 from vlmprobe.results.table import read_table
@@ -88,6 +89,7 @@ def only_dir(root: Path) -> Path | None:
     return found[0] if found else None
 
 
+@pytest.mark.slow  # ~70 s: many interrupted and resumed sweeps
 def test_sigint_and_sigkill_at_random_moments_then_resume_give_the_uninterrupted_table(tmp_path):
     seed = int(os.environ.get("VLMPROBE_FAULT_SEED", 20261123))
     print(f"VLMPROBE_FAULT_SEED={seed}")

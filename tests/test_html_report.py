@@ -128,6 +128,7 @@ def test_a_100_point_sweep_is_one_file_under_200_kb_that_asks_for_nothing():
 
 
 @pytest.mark.slow  # ~20 s here: a 4-point sweep, then Chromium
+@pytest.mark.browser
 def test_report_html_renders_in_chromium_with_no_console_error_and_no_request(tmp_path):
     with open_browser() as browser:
         from vlmprobe.api import run

@@ -91,7 +91,7 @@ def pool_sweep_with_a_row_and_running_workers(tmp_path) -> tuple[subprocess.Pope
     return proc, workers
 
 
-@pytest.mark.parametrize("signum,code,said", [(signal.SIGINT, 130, "interrupted"),
+@pytest.mark.parametrize("signum,code,said", [pytest.param(signal.SIGINT, 130, "interrupted", marks=pytest.mark.slow),
                                               (signal.SIGTERM, 143, "interrupted by SIGTERM")])
 def test_ctrl_c_or_sigterm_during_a_pool_sweep_ends_every_worker_keeps_the_rows_and_resumes(tmp_path, signum, code,
                                                                                           said):
@@ -275,6 +275,7 @@ def test_a_worker_that_died_is_replaced_by_one_the_main_thread_forks_between_row
     assert all(w.made_by is threading.main_thread() for w in made) and all(w.closed for w in made)
 
 
+@pytest.mark.slow  # ~12 s: submitit's local executor, a job killed
 def test_submitit_jobs_give_the_rows_local_gives_and_a_killed_job_keeps_its_finished_points(tmp_path, monkeypatch,
                                                                                              capsys):
     # Two points in one job of submitit's local executor: the tiny model, then one whose batch kills the job's

@@ -69,6 +69,7 @@ def test_nightly_runs_both_sweeps_the_finding_check_and_the_gate(tmp_path):
     assert "nightly: every step passed" in proc.stderr
 
 
+@pytest.mark.slow  # ~15 s: the nightly script's steps as subprocesses
 def test_nightly_goes_on_after_a_failed_step_and_exits_non_zero(tmp_path):
     write_baseline(tmp_path, 1024)  # 1 KiB: the tiny point's peak has "grown" past it
     # a toy seq_len sweep: it runs, but the finding check has nothing of nanoVLM-222M to judge

@@ -152,6 +152,7 @@ def test_serve_binds_to_this_machine_unless_told_otherwise():
 
 
 @pytest.mark.slow  # ~15 s here: Chromium, and a tiny model's estimate
+@pytest.mark.browser
 def test_the_page_answers_a_tiny_models_question_in_chromium(tmp_path):
     with served(tmp_path) as (url, _), open_browser() as browser:
         page = browser.page
