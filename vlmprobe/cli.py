@@ -62,7 +62,8 @@ QUESTIONS = """Five questions, one command each (no GPU: the rows are estimates,
   Where does memory go with length? vlmprobe +sweep=seq_len
   What is the largest batch?        vlmprobe model=qwen2_vl_2b +find=max_batch memory_budget=24GiB
   How do the families compare?      vlmprobe +sweep=families device=h100_80gb
-  What does a framework recipe use? vlmprobe +sweep=preset_qwen2_vl_7b_lora_v100   (the preset_* sweeps below)
+  What does my training run need?   vlmprobe recipe.file=MY_TRAINING_FILE device=rtx4090   (or recipe=llamafactory;
+                                      a reported setup: the preset_* sweeps below)
 Add fail_on_oom=true to exit 1 when a point does not fit; output=json for the rows as JSON lines on stdout."""
 
 

@@ -40,7 +40,7 @@ from vlmprobe.estimate.cuda_rules import embedding_backward, kernel_copies, redu
 from vlmprobe.estimate.cuda_rules.gradient_sums import first_summand
 from vlmprobe.gpu.alloc_conf import AllocatorSettings
 
-__all__ = ["aliases_inputs", "AllocationLog", "Attribution", "collapsed_names", "filled_text", "KINDS",
+__all__ = ["aliases_inputs", "AllocationLog", "Attribution", "collapsed_names", "filled_text", "KINDS", "TRAINING_STATE",
            "LiveBytesTracker", "PLACEMENT"]
 
 _DEVICE = torch.ops.prim.device.default
@@ -417,6 +417,7 @@ class AllocationLog:
 
 
 WORKSPACE = "workspace"  # a label's phase for a cuBLAS workspace
+TRAINING_STATE = ("weights", "buffers", "gradients", "optimizer state")  # kinds the row's own columns count
 # a block's kind from the phase it was allocated in, where nothing that holds it says (weights, gradients, optimizer state)
 KINDS = {"forward": "activations", "generate": "activations", "reference": "activations",
          "backward": "activation gradients", WORKSPACE: "cuBLAS workspace", "load": "made while loading"}
@@ -504,8 +505,9 @@ class Attribution:
 
     def filled(self, tracker: LiveBytesTracker, optimizer=None, state: list | None = None,
                top: int = 5) -> list[tuple[str | None, str, str | None, int]]:
-        """The `top` largest (module, kind, dtype, bytes) groups of the blocks live when the model last ran out,
-        largest first; the bytes are the blocks' (as allocated counts them). Kind: weights, buffers, gradients and
+        """The `top` largest (module, kind, dtype, bytes) groups of the blocks live when the model last ran out: what
+        the step made (activations and the rest) largest first, then the training state (TRAINING_STATE: the row
+        has its own columns for it), largest first; the bytes are the blocks' (as allocated counts them). Kind: weights, buffers, gradients and
         optimizer state where the model's parameters and buffers, their .grad or the optimizer's state (`optimizer`,
         and `state`: the engine's state tensors, of no module where the optimizer's state does not name them) hold
         the block; else from the phase it was made in (KINDS: "made while loading" is mostly the batch; "other":
@@ -545,7 +547,7 @@ class Attribution:
             key = (self.shown.get(key[0], key[0]), *key[1:])
             groups[key] = groups.get(key, 0) + size
         root = type(self.model).__name__ if self.model is not None else None
-        ranked = sorted(groups.items(), key=lambda item: (-item[1], str(item[0])))
+        ranked = sorted(groups.items(), key=lambda item: (item[0][1] in TRAINING_STATE, -item[1], str(item[0])))
         return [(root if module == "" else module, kind, dtype, size) for (module, kind, dtype), size in ranked[:top]]
 
 

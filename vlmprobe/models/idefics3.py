@@ -1,6 +1,6 @@
 """Idefics3 and SmolVLM (v1): transformers' Idefics3ForConditionalGeneration with random weights -- a SigLIP-style
 vision tower of variable resolution, a pixel-shuffle connector and a Llama LM; SmolVLM2 is the same code under
-other class names (SmolVLMSpec). Images follow Idefics3ImageProcessor as pure arithmetic (`tile_grid`): resized to
+other class names (SmolVLMSpec). Images follow Idefics3ImageProcessor as pure arithmetic (`idefics3_tiles`): resized to
 the processor's `size.longest_edge` (`data.image_size`; null = the shipped processor's), cut into tiles of the
 tower's `image_size`, plus a global image. The forward reads pixel_values (to drop all-zero padding images) and the
 patch mask from pixel_attention_mask: both are constant fakes (models/fake_constants.py). Towers: vision =
@@ -24,31 +24,11 @@ __all__ = ["Idefics3Spec", "idefics3_tiles", "MAX_IMAGE_SIZE", "SmolVLMSpec"]
 MAX_IMAGE_SIZE = 4096  # transformers' idefics3 / smolvlm image processors: no side beyond it ("4k resolution")
 
 
-def tile_grid(size: int, tile: int, splitting: bool = True) -> tuple[int, int]:
-    """(rows, cols) of tiles Idefics3ImageProcessor cuts a square image resized to longest edge `size` into
-    (0, 0: one tile, no global image), computed as its resize, resize_for_vision_encoder and split_images do."""
-    if not splitting:
-        return 0, 0
-    height = width = size  # _resize_output_size_rescale_to_max_len of a square image: width = max_len, then
-    if height % 2:         # height = int(width / 1), made even
-        height += 1
-    aspect = width / height
-    if width >= height:  # resize_for_vision_encoder: up to whole tiles, keeping the aspect ratio
-        width = math.ceil(width / tile) * tile
-        height = math.ceil(int(width / aspect) / tile) * tile
-    else:
-        height = math.ceil(height / tile) * tile
-        width = math.ceil(int(height * aspect) / tile) * tile
-    if height > tile or width > tile:
-        return (height - tile) // tile + 1, (width - tile) // tile + 1
-    return 0, 0
-
-
 def idefics3_tiles(height: int, width: int, longest_edge: int, tile: int, splitting: bool = True) -> tuple[int, int]:
     """(rows, cols) of tiles Idefics3ImageProcessor cuts one `height` x `width` image into (0, 0: one tile, no
     global image): its resize (the longest edge to `longest_edge`, the other side made even, then below
     MAX_IMAGE_SIZE), resize_for_vision_encoder (whole tiles) and split_images (transformers 5.25
-    image_processing_idefics3.py); tile_grid is this rule for a square."""
+    image_processing_idefics3.py)."""
     if not splitting:
         return 0, 0
     aspect = width / height  # resize: the longest edge to `longest_edge`, the other side made even
@@ -127,7 +107,7 @@ class Idefics3Spec(ModelSpec):
             raise ConfigError(f"data.image_size={size} is not allowed for {self.name}: Idefics3ImageProcessor scales "
                               f"every image down to at most {MAX_IMAGE_SIZE} px per side, so the model never sees it; "
                               f"use at most {MAX_IMAGE_SIZE}")
-        return tile_grid(size, self.tile, self.do_image_splitting)
+        return idefics3_tiles(size, size, size, self.tile, self.do_image_splitting)  # resized to its side already
 
     def frames(self, data: DataShape) -> int:
         """Tiles of one image the tower runs on: rows x cols + the global image, or 1."""

@@ -106,6 +106,21 @@ def off_scale(label: str, x: float, y: float) -> str:
             f'data-tip="{esc(label)}">{esc(label)}</text>')
 
 
+def capacity_mark(body: list[str], cap_bytes: int, cap_label: str, on_scale: bool, line: tuple, far: str,
+                  at: tuple) -> tuple[str, str, str]:
+    """The card's capacity on a chart: a dashed line from (x1, x2, y1, y2) `line` where it is on the scale, else its
+    label at `at` saying how `far` it is; its legend item."""
+    label = f"{cap_label}: {size_text(cap_bytes, unit_for(cap_bytes))}"
+    if on_scale:
+        x1, x2, y1, y2 = line
+        body.append(f'<line class="capacity" x1="{x1:.1f}" x2="{x2:.1f}" y1="{y1:.1f}" y2="{y2:.1f}" '
+                    f'stroke="#d00" stroke-dasharray="6 4" stroke-width="1.5" data-tip="{esc(label)}"/>')
+    else:
+        label += f" ({far})"
+        body.append(off_scale(label, *at))
+    return label, "#d00", ""
+
+
 def short(label: str, limit: int = 34) -> str:
     return label if len(label) <= limit else label[:limit - 1] + "\u2026"
 
@@ -207,15 +222,9 @@ def line_chart_svg(rows: list[dict], x: str, others: list[str], capacity: tuple[
     if any(r.get("status") == Status.OOM for r in rows):
         body.append(f'<text class="tick" x="{left + 4}" y="{upper + 12}">OOM</text>')
     if cap_bytes:
-        label = f"{cap_label}: {size_text(cap_bytes, unit_for(cap_bytes))}"
-        if on_scale:
-            y = py(cap_bytes)
-            body.append(f'<line class="capacity" x1="{left}" x2="{left + plot_w}" y1="{y:.1f}" y2="{y:.1f}" '
-                        f'stroke="#d00" stroke-dasharray="6 4" stroke-width="1.5" data-tip="{esc(label)}"/>')
-        else:
-            label += " (far above)"
-            body.append(off_scale(label, left + plot_w - 4, upper - 4))
-        legend.append((label, "#d00", ""))
+        y = py(cap_bytes) if on_scale else 0
+        legend.append(capacity_mark(body, cap_bytes, cap_label, on_scale, (left, left + plot_w, y, y), "far above",
+                                    (left + plot_w - 4, upper - 4)))
     x_label = {"batch_size": "batch size (samples per step)", "world_size": "world size (GPUs)"}.get(x, x)
     return frame(f"peak allocated against {x}", x_label, f"peak allocated ({unit[0]}, 1024-based)", body,
                  legend_items(legend, WIDTH - right + 16, upper + 10))
@@ -288,15 +297,9 @@ def breakdown_svg(rows: list[dict], labels: list[str] | None = None,
     if any(r.get("predicted_device_bytes") is not None for r in rows):
         legend.append(("on the card (reserved + context)", "#000", ""))
     if cap_bytes:
-        label = f"{cap_label}: {size_text(cap_bytes, unit_for(cap_bytes))}"
-        if on_scale:
-            x = px(cap_bytes)
-            body.append(f'<line class="capacity" x1="{x:.1f}" x2="{x:.1f}" y1="{upper}" y2="{height - 36}" '
-                        f'stroke="#d00" stroke-dasharray="6 4" stroke-width="1.5" data-tip="{esc(label)}"/>')
-        else:
-            label += " (far to the right)"
-            body.append(off_scale(label, left + plot_w - 4, upper - 2))
-        legend.append((label, "#d00", ""))
+        x = px(cap_bytes) if on_scale else 0
+        legend.append(capacity_mark(body, cap_bytes, cap_label, on_scale, (x, x, upper, height - 36),
+                                    "far to the right", (left + plot_w - 4, upper - 2)))
     return frame(title, f"peak allocated ({unit[0]}, 1024-based)", "", body,
                  legend_items(legend, WIDTH - right + 16, upper + 10), height, "chart breakdown")
 
