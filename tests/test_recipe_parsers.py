@@ -284,3 +284,13 @@ def test_all_linear_names_are_the_real_qwen2_5_vl_classes_linear_layers():
 
     assert linear_names(("lm_head", "visual.merger", "visual.patch_embed", "visual.blocks")) == set(ALL_LINEAR_LM)
     assert linear_names(("lm_head", "visual.merger")) <= set(ALL_LINEAR_LM + VISION_LINEAR)
+
+
+def test_a_llamafactory_lora_target_list_reads_as_the_comma_string_does(tmp_path):
+    texts = {"comma": "lora_target: q_proj,v_proj\n", "list": "lora_target: [q_proj, v_proj]\n"}
+    read = {}
+    for name, target in texts.items():
+        path = tmp_path / f"{name}.yaml"
+        path.write_text("model_name_or_path: Qwen/Qwen2.5-VL-7B-Instruct\nstage: sft\nfinetuning_type: lora\n" + target)
+        read[name] = read_recipe_file(path).overrides()["train.lora_target_modules"]
+    assert read["comma"] == read["list"] == ["q_proj", "v_proj"]

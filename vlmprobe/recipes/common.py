@@ -1,7 +1,9 @@
 """What every parser of a person's training file shares: the answer's shape (Mapped, Ignored, FileRecipe), the
 collector that fills it key by key, the plain value readers, and the mappings several frameworks share (the HF
 Trainer's `optim` names, LoRA's `all` / `all-linear`, a DeepSpeed config given by path, by dict or by a
-framework's shipped name).
+framework's shipped name), and the handling their parsers share: a key mapped one to one (Rule: the setting and
+the reader of the value, applied by apply_rule; the frameworks' tables name their own keys), the keys that allow
+one value only, bitsandbytes' 4 / 8 bits, the LoRA target list and a row's length.
 
 The rule: every key of the file is either mapped to vlmprobe settings (one entry per setting it decides) or
 ignored with the reason; a value vlmprobe cannot express is one ConfigError line naming the key, the value and what
@@ -14,15 +16,18 @@ a framework's shipped one (its memory keys are written here), else refused.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from vlmprobe.errors import ConfigError, whole
 
-__all__ = ["ALL_LINEAR_LM", "as_bool", "as_count", "as_number", "attention", "autocast", "checkpoint_kwargs",
-           "checkpointing", "Collector", "deepspeed_entries", "dtype_name", "DTYPES", "FileRecipe", "Ignored",
-           "ignore_known", "ignore_unknown", "KINDS", "Mapped", "optimizer_option", "RECIPE_OF", "VISION_LINEAR",
-           "zero_settings"]
+__all__ = ["ALL_LINEAR_LM", "apply_rule", "as_bool", "as_count", "as_number", "as_text", "attention", "autocast",
+           "checkpoint_kwargs", "checkpointing", "Collector", "deepspeed_entries", "dtype_name", "DTYPES",
+           "FileRecipe", "freeze_language_model", "freeze_vision_tower", "GRPO_RULES", "Ignored", "ignore_known",
+           "ignore_unknown", "KINDS", "lora_targets", "LORA_RULES", "Mapped", "nf4_only", "only_false", "only_value",
+           "optimizer_option", "precision_flag", "quantization_bits", "RECIPE_OF", "row_length", "Rule",
+           "split_row", "TRAINER_RULES", "VISION_LINEAR", "zero_settings"]
 
 KINDS = ("llamafactory", "ms_swift", "hf_trainer", "trl_sft", "trl_grpo", "trl_dpo", "accelerate", "deepspeed")
 # the conf/recipe option whose defaults stand under a kind's keys: a launcher's or DeepSpeed's file says nothing of
@@ -348,3 +353,111 @@ def autocast(c: Collector, key: str, value, dtype: str, other) -> None:
         c.ignore(key, value, "false: the other mixed-precision flag decides")
     else:
         c.map(key, value, "train.autocast_dtype", None)
+
+
+def as_text(c: Collector, key: str, value) -> str:
+    """A name as given (a model id, vLLM's mode)."""
+    return str(value)
+
+
+def quantization_bits(c: Collector, key: str, value) -> str:
+    """bitsandbytes' bits (LLaMA-Factory's quantization_bit, ms-swift's quant_bits): 4 loads nf4, 8 LLM.int8."""
+    if value not in (4, 8, "4", "8"):
+        raise c.refuse(key, value, "vlmprobe models bitsandbytes 4 (nf4) and 8 (int8)")
+    return "nf4" if int(value) == 4 else "int8"
+
+
+@dataclass(frozen=True)
+class Rule:
+    """A key mapped one to one: the setting it decides and the reader that checks and converts its value (it raises
+    the ConfigError where the value cannot be read). A framework's table maps its key names to rules."""
+    setting: str
+    read: Callable[[Collector, str, object], object]
+
+
+def apply_rule(c: Collector, rule: Rule, key: str, value) -> None:
+    c.map(key, value, rule.setting, rule.read(c, key, value))
+
+
+# HF TrainingArguments keys (transformers 5.25 training_args.py) that LLaMA-Factory, ms-swift and TRL pass on as named
+TRAINER_RULES = {"per_device_train_batch_size": Rule("data.batch_size", as_count),
+                 "gradient_accumulation_steps": Rule("train.grad_accum_steps", as_count),
+                 "optim": Rule("optimizer", optimizer_option)}
+# peft's LoRA scale and dropout, named so in all three (the rank is lora_rank or lora_r, with each one's default)
+LORA_RULES = {"lora_alpha": Rule("train.lora_alpha", as_number), "lora_dropout": Rule("train.lora_dropout", as_number)}
+# GRPO's generation keys: TRL's GRPOConfig names, which ms-swift's rlhf arguments take as they are (conf/step/grpo.yaml)
+GRPO_RULES = {"num_generations": Rule("step.num_generations", as_count),
+              "max_completion_length": Rule("step.max_completion_length", as_count),
+              "beta": Rule("step.beta", as_number), "use_vllm": Rule("step.use_vllm", as_bool),
+              "vllm_mode": Rule("step.vllm_mode", as_text)}
+
+
+def only_value(c: Collector, key: str, value, allowed, refusal: str, note: str) -> None:
+    """A key vlmprobe models at one value only: ignored with `note` there, refused with `refusal` elsewhere."""
+    if value != allowed:
+        raise c.refuse(key, value, refusal)
+    c.ignore(key, value, note)
+
+
+def only_false(c: Collector, key: str, value, refusal: str, note: str = "false: nothing to model") -> None:
+    """A flag whose true vlmprobe does not model: false is ignored with `note`, true refused with `refusal`."""
+    if as_bool(c, key, value):
+        raise c.refuse(key, value, refusal)
+    c.ignore(key, value, note)
+
+
+def nf4_only(c: Collector, key: str, value) -> None:
+    """bitsandbytes' 4-bit type: nf4 is what train.quantization=nf4 is; fp4 is not modelled."""
+    only_value(c, key, value, "nf4", "vlmprobe models nf4 4-bit quantization only",
+               "nf4: what train.quantization=nf4 is")
+
+
+def lora_targets(c: Collector, key: str, value, names: list[str], every: bool, vision: bool) -> None:
+    """train.lora_target_modules: their names as the framework splits them, or where they are its word for every
+    linear layer (`every`: LLaMA-Factory's `all`, peft's `all-linear`) the language model's, and the vision tower's
+    where adapters go there (`vision`)."""
+    c.map(key, value, "train.lora_target_modules",
+          ALL_LINEAR_LM + (VISION_LINEAR if vision else []) if every else names)
+
+
+def freeze_vision_tower(c: Collector, key: str, value, frozen: bool, lora: bool) -> None:
+    """A freeze-the-vision-tower flag: train.freeze_vision, and under LoRA the towers given adapters (a frozen
+    tower gets none: LLaMA-Factory's patch_target_modules, ms-swift's freeze_vit)."""
+    c.map(key, value, "train.freeze_vision", frozen)
+    if lora:
+        c.map(key, value, "train.lora_towers", ["lm"] if frozen else ["lm", "vision"])
+
+
+def freeze_language_model(c: Collector, key: str, value, lora: bool, refusal: str) -> None:
+    """A freeze-the-language-model flag: train.freeze_lm; true under LoRA (which adapts the LM) is refused."""
+    if lora and as_bool(c, key, value):
+        raise c.refuse(key, value, refusal)
+    c.map(key, value, "train.freeze_lm", as_bool(c, key, value))
+
+
+def split_row(total: int, prompt: int | None, completion: int | None) -> tuple[int, int]:
+    """A DPO row of `total` tokens as (prompt, completion): the given one stands, the other takes the rest."""
+    if prompt is not None:
+        return prompt, max(total - prompt, 1)
+    if completion is not None:
+        return max(total - completion, 1), completion
+    return total // 2, total - total // 2
+
+
+def row_length(c: Collector, key: str, value, dpo: bool) -> None:
+    """A row's token cap (LLaMA-Factory's cutoff_len, ms-swift's max_length): data.lm_max_length, or under DPO a
+    prompt and an answer sharing it, split in half (the data's lengths decide the real split)."""
+    length = as_count(c, key, value)
+    if dpo:
+        prompt, completion = split_row(length, None, None)
+        c.map(key, value, "data.lm_max_length", prompt)
+        c.map(key, value, "step.completion_length", completion)
+    else:
+        c.map(key, value, "data.lm_max_length", length)
+
+
+def precision_flag(c: Collector, key: str, name: str, value, given: dict) -> str:
+    """The Trainer's bf16 / fp16 flag `name` as autocast, `given` the file's other keys; the flag's dtype."""
+    dtype, other = ("bfloat16", "fp16") if name == "bf16" else ("float16", "bf16")
+    autocast(c, key, value, dtype, given.get(other))
+    return dtype

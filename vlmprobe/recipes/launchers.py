@@ -15,8 +15,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from vlmprobe.recipes.common import (Collector, FileRecipe, as_bool, as_count, checkpointing, deepspeed_entries,
-                                     zero_settings)
+from vlmprobe.recipes.common import (Collector, FileRecipe, Rule, apply_rule, as_bool, as_count, checkpointing,
+                                     deepspeed_entries, ignore_unknown, zero_settings)
 
 __all__ = ["read_accelerate", "read_deepspeed"]
 
@@ -27,6 +27,20 @@ LAUNCHER_ONLY = {"compute_environment", "debug", "machine_rank", "main_training_
 FSDP_IGNORED = {"fsdp_auto_wrap_policy", "fsdp_backward_prefetch", "fsdp_cpu_ram_efficient_loading",
                 "fsdp_forward_prefetch", "fsdp_state_dict_type", "fsdp_sync_module_states", "fsdp_use_orig_params",
                 "fsdp_transformer_layer_cls_to_wrap", "fsdp_min_num_params"}
+# the keys mapped one to one: accelerate's deepspeed_config block, and a DeepSpeed JSON's (where not "auto")
+ACCELERATE_DEEPSPEED_RULES = {"zero3_init_flag": Rule("dist.zero_init", as_bool),
+                              "gradient_accumulation_steps": Rule("train.grad_accum_steps", as_count)}
+DEEPSPEED_RULES = {"train_micro_batch_size_per_gpu": Rule("data.batch_size", as_count),
+                   "gradient_accumulation_steps": Rule("train.grad_accum_steps", as_count)}
+
+
+def section(c: Collector, key: str, value, kind: str, needed: str) -> list[tuple[str, str, object]]:
+    """A nested block (fsdp_config, deepspeed_config) as (its key written `block.name`, name, value); none, the
+    block ignored, where distributed_type is not the one that reads it."""
+    if kind != needed:
+        c.ignore(key, value, f"read only with distributed_type {needed} (this file: {kind})")
+        return []
+    return [(f"{key}.{name}", name, setting) for name, setting in value.items()]
 
 
 def read_accelerate(config: dict, where: str, base: Path | None) -> FileRecipe:
@@ -79,11 +93,7 @@ def read_accelerate(config: dict, where: str, base: Path | None) -> FileRecipe:
                     c.map(key, value, "dist.mp_param_dtype", dtype)
                     c.map(key, value, "dist.mp_reduce_dtype", dtype)
         elif key == "fsdp_config":
-            if kind != "FSDP":
-                c.ignore(key, value, f"read only with distributed_type FSDP (this file: {kind})")
-                continue
-            for name, setting in value.items():
-                sub = f"fsdp_config.{name}"
+            for sub, name, setting in section(c, key, value, kind, "FSDP"):
                 if name == "fsdp_version":
                     c.ignore(sub, setting, "read with distributed_type (2: FSDP2)")
                 elif name == "fsdp_offload_params":
@@ -96,14 +106,12 @@ def read_accelerate(config: dict, where: str, base: Path | None) -> FileRecipe:
                 elif name in FSDP_IGNORED:
                     c.ignore(sub, setting, "not modelled: vlmprobe wraps each transformer block, then the root")
                 else:
-                    c.ignore(sub, setting, "not a key vlmprobe knows: check it has no memory effect")
+                    ignore_unknown(c, sub, setting)
         elif key == "deepspeed_config":
-            if kind != "DEEPSPEED":
-                c.ignore(key, value, f"read only with distributed_type DEEPSPEED (this file: {kind})")
-                continue
-            for name, setting in value.items():
-                sub = f"deepspeed_config.{name}"
-                if name == "deepspeed_config_file":
+            for sub, name, setting in section(c, key, value, kind, "DEEPSPEED"):
+                if name in ACCELERATE_DEEPSPEED_RULES:
+                    apply_rule(c, ACCELERATE_DEEPSPEED_RULES[name], sub, setting)
+                elif name == "deepspeed_config_file":
                     deepspeed_entries(c, sub, setting, base)
                 elif name == "zero_stage":
                     c.ignore(sub, setting, "read with distributed_type (dist=zeroN)")
@@ -112,16 +120,12 @@ def read_accelerate(config: dict, where: str, base: Path | None) -> FileRecipe:
                     if device not in ("none", "cpu"):
                         raise c.refuse(sub, setting, "vlmprobe models offloading to the host (cpu) or none")
                     c.map(sub, setting, f"dist.{name.removesuffix('_device')}", device)
-                elif name == "zero3_init_flag":
-                    c.map(sub, setting, "dist.zero_init", as_bool(c, sub, setting))
-                elif name == "gradient_accumulation_steps":
-                    c.map(sub, setting, "train.grad_accum_steps", as_count(c, sub, setting))
                 else:
                     c.ignore(sub, setting, "no memory effect (saving, launching or clipping)")
         elif key in LAUNCHER_ONLY:
             c.ignore(key, value, "no memory effect (the launcher's machine and process settings)")
         else:
-            c.ignore(key, value, "not a key vlmprobe knows: check it has no memory effect")
+            ignore_unknown(c, key, value)
     return c.result()
 
 
@@ -131,9 +135,8 @@ def read_deepspeed(config: dict, where: str, path: Path) -> FileRecipe:
     c = Collector("deepspeed", where)
     deepspeed_entries(c, "(file)", str(path), None)
     for key, value in config.items():
-        if key in ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps") and value != "auto":
-            setting = "data.batch_size" if key.startswith("train_micro") else "train.grad_accum_steps"
-            c.map(key, value, setting, as_count(c, key, value))
+        if key in DEEPSPEED_RULES and value != "auto":
+            apply_rule(c, DEEPSPEED_RULES[key], key, value)
         elif key in ("bf16", "fp16") and isinstance(value, dict) and value.get("enabled") not in ("auto", None):
             if as_bool(c, f"{key}.enabled", value["enabled"]):
                 c.map(key, value, "train.param_dtype", "bfloat16" if key == "bf16" else "float16")

@@ -20,16 +20,31 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from vlmprobe.recipes.common import (ALL_LINEAR_LM, VISION_LINEAR, Collector, FileRecipe, as_bool, as_count,
-                                     as_number, autocast, checkpoint_kwargs, checkpointing, deepspeed_entries,
-                                     ignore_known, ignore_unknown, optimizer_option)
+from vlmprobe.recipes.common import (LORA_RULES, TRAINER_RULES, Collector, FileRecipe, Rule, apply_rule, as_bool,
+                                     as_count, as_text, checkpoint_kwargs, checkpointing, deepspeed_entries,
+                                     freeze_language_model, freeze_vision_tower, ignore_known, ignore_unknown,
+                                     lora_targets, nf4_only, only_false, only_value, precision_flag,
+                                     quantization_bits, row_length)
 
 __all__ = ["read_llamafactory"]
 
 STAGES = {"sft": "sft", "pt": "sft"}  # pt's step is SFT's: a causal LM loss over every token
-PIXELS = {"image_max_pixels": "data.max_pixels", "image_min_pixels": "data.min_pixels",
-          "video_max_pixels": "data.video_max_pixels", "video_min_pixels": "data.video_min_pixels"}
 ATTENTION = {"disabled": "eager", "sdpa": "sdpa", "fa2": "flash_attention_2"}  # constants.py AttentionFunction
+# the keys mapped one to one (model_args.py, data_args.py, finetuning_args.py; the HF Trainer's as it names them)
+RULES = {"model_name_or_path": Rule("model", as_text),
+         "image_max_pixels": Rule("data.max_pixels", as_count), "image_min_pixels": Rule("data.min_pixels", as_count),
+         "video_max_pixels": Rule("data.video_max_pixels", as_count),
+         "video_min_pixels": Rule("data.video_min_pixels", as_count),
+         **LORA_RULES,
+         "use_reentrant_gc": Rule("train.grad_ckpt_reentrant", as_bool),
+         "enable_liger_kernel": Rule("train.liger_kernel", as_bool),
+         "quantization_bit": Rule("train.quantization", quantization_bits),
+         "double_quantization": Rule("train.quantization_double_quant", as_bool),
+         **TRAINER_RULES}
+LORA_KEYS = ("lora_rank", "lora_alpha", "lora_dropout", "lora_target")
+# methods and patches vlmprobe does not model: read only where false
+NOT_MODELLED = ("neat_packing", "upcast_layernorm", "upcast_lmhead_output", "use_galore", "use_apollo", "use_badam",
+                "use_dora", "pissa_init", "use_llama_pro", "shift_attn")
 
 
 def zero_stage(config: dict, base: Path | None) -> int | None:
@@ -61,10 +76,12 @@ def read_llamafactory(config: dict, where: str, base: Path | None) -> FileRecipe
         c.map(key, value, "train.param_dtype", "float32" if full_upcast else dtype)
 
     for key, value in config.items():
-        if key == "model_name_or_path":
-            c.map(key, value, "model", str(value))
-        elif key in PIXELS:
-            c.map(key, value, PIXELS[key], as_count(c, key, value))
+        if key in LORA_KEYS and not lora:
+            c.ignore(key, value, f"read only with finetuning_type: lora (this file: {method})")
+        elif key == "quantization_bit" and value is None:
+            c.ignore(key, value, "not set (null): no quantization")
+        elif key in RULES:
+            apply_rule(c, RULES[key], key, value)
         elif key == "stage":
             if value == "dpo":
                 c.map(key, value, "step", "dpo")
@@ -81,49 +98,27 @@ def read_llamafactory(config: dict, where: str, base: Path | None) -> FileRecipe
                 c.map(key, value, "step.reference", value not in ("orpo", "simpo"))
         elif key == "finetuning_type":
             c.map(key, value, "train.lora_r", rank if lora else 0)
-        elif key in ("lora_rank", "lora_alpha", "lora_dropout", "lora_target") and not lora:
-            c.ignore(key, value, f"read only with finetuning_type: lora (this file: {method})")
         elif key == "lora_rank":
             c.map(key, value, "train.lora_r", rank)
             if "lora_alpha" not in config:  # finetuning_args.py: lora_alpha or lora_rank * 2
                 c.map(key, value, "train.lora_alpha", 2 * rank)
-        elif key == "lora_alpha":
-            c.map(key, value, "train.lora_alpha", as_number(c, key, value))
-        elif key == "lora_dropout":
-            c.map(key, value, "train.lora_dropout", as_number(c, key, value))
         elif key == "lora_target":
-            names = [n.strip() for n in str(value).split(",") if n.strip()]
-            if names == ["all"]:
-                names = ALL_LINEAR_LM + ([] if freeze_vision else VISION_LINEAR)
-            c.map(key, value, "train.lora_target_modules", names)
+            names = [str(n).strip() for n in (value if isinstance(value, list) else str(value).split(",")) if str(n).strip()]
+            lora_targets(c, key, value, names, every=names == ["all"], vision=not freeze_vision)
         elif key == "freeze_vision_tower":
-            c.map(key, value, "train.freeze_vision", freeze_vision)
-            if lora:  # adapters go into the vision tower only where it is not frozen (patch_target_modules)
-                c.map(key, value, "train.lora_towers", ["lm"] if freeze_vision else ["lm", "vision"])
+            freeze_vision_tower(c, key, value, freeze_vision, lora)
         elif key == "freeze_language_model":
-            if lora and as_bool(c, key, value):
-                raise c.refuse(key, value, "with finetuning_type: lora vlmprobe adapts the language model; use "
-                                           "false, or finetuning_type: full")
-            c.map(key, value, "train.freeze_lm", as_bool(c, key, value))
+            freeze_language_model(c, key, value, lora, "with finetuning_type: lora vlmprobe adapts the language "
+                                                       "model; use false, or finetuning_type: full")
         elif key == "freeze_multi_modal_projector":
             c.ignore(key, value, "not modelled: vlmprobe freezes the projector with the vision tower where the "
                                  "family holds it there (Qwen-VL's merger) and trains it elsewhere")
         elif key == "deepspeed":
             deepspeed_entries(c, key, value, base, "llamafactory")
-        elif key == "cutoff_len":
-            length = as_count(c, key, value)
-            if stage == "dpo":  # a row is prompt + answer; infer_seqlen shares cutoff_len by the data's lengths
-                c.map(key, value, "data.lm_max_length", length // 2)
-                c.map(key, value, "step.completion_length", length - length // 2)
-            else:
-                c.map(key, value, "data.lm_max_length", length)
-        elif key == "per_device_train_batch_size":
-            c.map(key, value, "data.batch_size", as_count(c, key, value))
-        elif key == "gradient_accumulation_steps":
-            c.map(key, value, "train.grad_accum_steps", as_count(c, key, value))
+        elif key == "cutoff_len":  # a DPO row is prompt + answer; infer_seqlen shares cutoff_len by the data's lengths
+            row_length(c, key, value, stage == "dpo")
         elif key in ("bf16", "fp16"):
-            dtype = "bfloat16" if key == "bf16" else "float16"
-            autocast(c, key, value, dtype, config.get("fp16" if key == "bf16" else "bf16"))
+            dtype = precision_flag(c, key, key, value, config)
             if as_bool(c, key, value):
                 weights(key, value, dtype)
         elif key == "pure_bf16":
@@ -140,8 +135,6 @@ def read_llamafactory(config: dict, where: str, base: Path | None) -> FileRecipe
                 c.map(key, value, "model.attn_implementation", ATTENTION[value])
             else:
                 raise c.refuse(key, value, "vlmprobe models auto, disabled (eager), sdpa and fa2")
-        elif key == "enable_liger_kernel":
-            c.map(key, value, "train.liger_kernel", as_bool(c, key, value))
         elif key == "use_unsloth_gc":
             if as_bool(c, key, value):  # checkpointing.py: a reentrant function keeping each layer's input on the host
                 c.map(key, value, "train.grad_ckpt.offload", True)
@@ -149,46 +142,24 @@ def read_llamafactory(config: dict, where: str, base: Path | None) -> FileRecipe
             else:
                 c.ignore(key, value, "false: no offloaded checkpointing")
         elif key == "use_unsloth":
-            if as_bool(c, key, value):
-                raise c.refuse(key, value, "Unsloth's patched model is not read from this file; use "
-                                           "recipe=unsloth, or false")
-            c.ignore(key, value, "false: no Unsloth")
+            only_false(c, key, value, "Unsloth's patched model is not read from this file; use recipe=unsloth, or "
+                                      "false", "false: no Unsloth")
         elif key == "disable_gradient_checkpointing":
             checkpointing(c, key, not as_bool(c, key, value))
         elif key == "gradient_checkpointing":
             checkpointing(c, key, value)
-        elif key == "use_reentrant_gc":
-            c.map(key, value, "train.grad_ckpt_reentrant", as_bool(c, key, value))
         elif key in ("gradient_checkpointing_kwargs", "activation_checkpointing_kwargs"):
             checkpoint_kwargs(c, key, value)
-        elif key == "quantization_bit":
-            if value is None:
-                c.ignore(key, value, "not set (null): no quantization")
-            elif value in (4, 8, "4", "8"):
-                c.map(key, value, "train.quantization", "nf4" if int(value) == 4 else "int8")
-            else:
-                raise c.refuse(key, value, "vlmprobe models bitsandbytes 4 (nf4) and 8 (int8)")
         elif key == "quantization_method":
-            if value != "bnb":
-                raise c.refuse(key, value, "vlmprobe models bitsandbytes' on-the-fly quantization (bnb) only")
-            c.ignore(key, value, "bnb: quantization_bit decides")
+            only_value(c, key, value, "bnb", "vlmprobe models bitsandbytes' on-the-fly quantization (bnb) only",
+                       "bnb: quantization_bit decides")
         elif key == "quantization_type":
-            if value != "nf4":
-                raise c.refuse(key, value, "vlmprobe models nf4 4-bit quantization only")
-            c.ignore(key, value, "nf4: what train.quantization=nf4 is")
-        elif key == "double_quantization":
-            c.map(key, value, "train.quantization_double_quant", as_bool(c, key, value))
-        elif key == "optim":
-            c.map(key, value, "optimizer", optimizer_option(c, key, value))
+            nf4_only(c, key, value)
         elif key == "packing":
             c.ignore(key, value, "no memory effect here: LLaMA-Factory packs samples into cutoff_len rows, and "
                                  "vlmprobe's rows always fill data.lm_max_length")
-        elif key in ("neat_packing", "upcast_layernorm", "upcast_lmhead_output", "use_galore", "use_apollo",
-                     "use_badam", "use_dora", "pissa_init", "use_llama_pro", "shift_attn"):
-            if as_bool(c, key, value):
-                raise c.refuse(key, value, "not modelled by vlmprobe; use false")
-            c.ignore(key, value, "false: nothing to model")
+        elif key in NOT_MODELLED:
+            only_false(c, key, value, "not modelled by vlmprobe; use false")
         elif not ignore_known(c, key, key, value):
             ignore_unknown(c, key, value)
     return c.result()
-

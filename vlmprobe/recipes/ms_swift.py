@@ -21,15 +21,34 @@ from __future__ import annotations
 import shlex
 from pathlib import Path
 
-from vlmprobe.recipes.common import (ALL_LINEAR_LM, VISION_LINEAR, Collector, FileRecipe, as_bool, as_count,
-                                     as_number, attention, autocast, checkpoint_kwargs, deepspeed_entries,
-                                     dtype_name, ignore_known, ignore_unknown, optimizer_option)
+from vlmprobe.recipes.common import (GRPO_RULES, LORA_RULES, TRAINER_RULES, Collector, FileRecipe, Rule, apply_rule,
+                                     as_bool, as_count, as_text, attention, checkpoint_kwargs, deepspeed_entries,
+                                     dtype_name, freeze_language_model, freeze_vision_tower, ignore_known,
+                                     ignore_unknown, lora_targets, nf4_only, only_value, precision_flag,
+                                     quantization_bits, row_length)
 
 __all__ = ["parse_command", "read_swift_args", "read_swift_command"]
 
-ENV_PIXELS = {"MAX_PIXELS": "data.max_pixels", "MIN_PIXELS": "data.min_pixels",
-              "VIDEO_MAX_PIXELS": "data.video_max_pixels", "VIDEO_MIN_PIXELS": "data.video_min_pixels",
-              "VIDEO_TOTAL_PIXELS": "data.video_total_pixels"}
+# the Qwen-VL processors' pixel bounds, read from the environment
+ENV_RULES = {"MAX_PIXELS": Rule("data.max_pixels", as_count), "MIN_PIXELS": Rule("data.min_pixels", as_count),
+             "VIDEO_MAX_PIXELS": Rule("data.video_max_pixels", as_count),
+             "VIDEO_MIN_PIXELS": Rule("data.video_min_pixels", as_count),
+             "VIDEO_TOTAL_PIXELS": Rule("data.video_total_pixels", as_count)}
+# the arguments mapped one to one (tuner_args.py, base_args/{model_args,quant_args}.py, swift/trainers/arguments.py;
+# the HF Trainer's as it names them); GRPO's keys join them in a grpo run
+RULES = {"model": Rule("model", as_text), "lora_rank": Rule("train.lora_r", as_count), **LORA_RULES,
+         "max_pixels": Rule("data.max_pixels", as_count),
+         "vit_gradient_checkpointing": Rule("train.grad_ckpt.vision", as_bool),
+         "attn_impl": Rule("model.attn_implementation", attention),
+         "quant_bits": Rule("train.quantization", quantization_bits),
+         "bnb_4bit_use_double_quant": Rule("train.quantization_double_quant", as_bool),
+         "bnb_4bit_compute_dtype": Rule("train.quantization_compute_dtype", dtype_name),
+         "packing": Rule("data.packing", as_bool), "padding_free": Rule("data.packing", as_bool),
+         "use_liger_kernel": Rule("train.liger_kernel", as_bool),
+         "global_world_size": Rule("dist.world_size", as_count),
+         "local_world_size": Rule("dist.ranks_per_node", as_count),
+         **TRAINER_RULES}
+LORA_KEYS = ("lora_rank", "lora_alpha", "lora_dropout", "target_modules")
 SHELL_ENDS = {";", "&&", "||", "|", "&", ">", ">>", "2>&1"}
 RLHF = {"grpo", "dpo"}
 
@@ -93,8 +112,8 @@ def read_swift(env: dict, sub: str, args: list[tuple[str, object]], where: str, 
     engine = given.get("deepspeed") or given.get("fsdp")
 
     for name, value in env.items():
-        if name in ENV_PIXELS:
-            c.map(name, value, ENV_PIXELS[name], as_count(c, name, value))
+        if name in ENV_RULES:
+            apply_rule(c, ENV_RULES[name], name, value)
         elif name == "NPROC_PER_NODE":
             if processes * nodes > 1:
                 if not engine:
@@ -120,37 +139,27 @@ def read_swift(env: dict, sub: str, args: list[tuple[str, object]], where: str, 
     if sub == "rlhf":
         key = next((k for k, _ in args if k.removeprefix("--") == "rlhf_type"), "swift rlhf")
         c.map(key, rlhf, "step", rlhf)
+    rules = RULES | (GRPO_RULES if rlhf == "grpo" else {})
     for key, value in args:
         name = key.removeprefix("--")
         if name == "rlhf_type":
             continue  # recorded above
         if value is None and name not in ("deepspeed",):
             c.ignore(key, value, "not set (null): ms-swift's default")
-        elif name == "model":
-            c.map(key, value, "model", str(value))
+        elif name in LORA_KEYS and not lora:
+            c.ignore(key, value, f"read only with --tuner_type lora (this run: {method})")
+        elif name in rules:
+            apply_rule(c, rules[name], key, value)
         elif name in ("tuner_type", "train_type"):
             c.map(key, value, "train.lora_r", as_count(c, "--lora_rank", given.get("lora_rank", 8)) if lora else 0)
-        elif name in ("lora_rank", "lora_alpha", "lora_dropout", "target_modules") and not lora:
-            c.ignore(key, value, f"read only with --tuner_type lora (this run: {method})")
-        elif name == "lora_rank":
-            c.map(key, value, "train.lora_r", as_count(c, key, value))
-        elif name == "lora_alpha":
-            c.map(key, value, "train.lora_alpha", as_number(c, key, value))
-        elif name == "lora_dropout":
-            c.map(key, value, "train.lora_dropout", as_number(c, key, value))
-        elif name == "target_modules":
+        elif name == "target_modules":  # all-linear: the unfrozen parts' linear layers (freeze_vit decides the ViT's)
             names = value if isinstance(value, list) else [value]
-            if names == ["all-linear"]:  # the unfrozen parts' linear layers (freeze_vit decides the vision tower's)
-                names = ALL_LINEAR_LM + ([] if freeze_vit else VISION_LINEAR)
-            c.map(key, value, "train.lora_target_modules", [str(n) for n in names])
+            lora_targets(c, key, value, [str(n) for n in names], every=names == ["all-linear"],
+                         vision=not freeze_vit)
         elif name == "freeze_vit":
-            c.map(key, value, "train.freeze_vision", freeze_vit)
-            if lora:
-                c.map(key, value, "train.lora_towers", ["lm"] if freeze_vit else ["lm", "vision"])
+            freeze_vision_tower(c, key, value, freeze_vit, lora)
         elif name == "freeze_llm":
-            if lora and as_bool(c, key, value):
-                raise c.refuse(key, value, "with LoRA vlmprobe adapts the language model; use false")
-            c.map(key, value, "train.freeze_lm", as_bool(c, key, value))
+            freeze_language_model(c, key, value, lora, "with LoRA vlmprobe adapts the language model; use false")
         elif name == "freeze_aligner":
             c.ignore(key, value, "not modelled: vlmprobe freezes the projector with the vision tower where the "
                                  "family holds it there (Qwen-VL's merger) and trains it elsewhere")
@@ -160,21 +169,9 @@ def read_swift(env: dict, sub: str, args: list[tuple[str, object]], where: str, 
             if "bf16" not in given and "fp16" not in given:  # sft_args.py: bf16 / fp16 follow torch_dtype
                 c.map(key, value, "train.autocast_dtype", dtype if dtype != "float32" else None)
         elif name in ("bf16", "fp16"):
-            autocast(c, key, value, "bfloat16" if name == "bf16" else "float16",
-                     given.get("fp16" if name == "bf16" else "bf16"))
-        elif name == "per_device_train_batch_size":
-            c.map(key, value, "data.batch_size", as_count(c, key, value))
-        elif name == "gradient_accumulation_steps":
-            c.map(key, value, "train.grad_accum_steps", as_count(c, key, value))
-        elif name == "max_length":
-            length = as_count(c, key, value)
-            if rlhf == "dpo":
-                c.map(key, value, "data.lm_max_length", length // 2)
-                c.map(key, value, "step.completion_length", length - length // 2)
-            else:  # sft: the row; grpo: the prompt (the template truncates it to max_length)
-                c.map(key, value, "data.lm_max_length", length)
-        elif name == "max_pixels":
-            c.map(key, value, "data.max_pixels", as_count(c, key, value))
+            precision_flag(c, key, name, value, given)
+        elif name == "max_length":  # sft: the row; grpo: the prompt (the template truncates it to max_length)
+            row_length(c, key, value, rlhf == "dpo")
         elif name == "deepspeed":
             deepspeed_entries(c, key, value, base, "ms_swift")
         elif name == "fsdp":
@@ -189,46 +186,12 @@ def read_swift(env: dict, sub: str, args: list[tuple[str, object]], where: str, 
             c.map(key, value, "train.grad_ckpt.lm", on)
             if given.get("vit_gradient_checkpointing") is None:  # arguments.py: the ViT follows unless told
                 c.map(key, value, "train.grad_ckpt.vision", on)
-        elif name == "vit_gradient_checkpointing":
-            c.map(key, value, "train.grad_ckpt.vision", as_bool(c, key, value))
         elif name == "gradient_checkpointing_kwargs":
             checkpoint_kwargs(c, key, value)
-        elif name == "attn_impl":
-            c.map(key, value, "model.attn_implementation", attention(c, key, value))
-        elif name == "quant_bits":
-            if str(value) not in ("4", "8"):
-                raise c.refuse(key, value, "vlmprobe models bitsandbytes 4 (nf4) and 8 (int8)")
-            c.map(key, value, "train.quantization", "nf4" if str(value) == "4" else "int8")
         elif name == "quant_method":
-            if value != "bnb":
-                raise c.refuse(key, value, "vlmprobe models bitsandbytes (bnb) only")
-            c.ignore(key, value, "bnb: --quant_bits decides")
+            only_value(c, key, value, "bnb", "vlmprobe models bitsandbytes (bnb) only", "bnb: --quant_bits decides")
         elif name == "bnb_4bit_quant_type":
-            if value != "nf4":
-                raise c.refuse(key, value, "vlmprobe models nf4 4-bit quantization only")
-            c.ignore(key, value, "nf4: what train.quantization=nf4 is")
-        elif name == "bnb_4bit_use_double_quant":
-            c.map(key, value, "train.quantization_double_quant", as_bool(c, key, value))
-        elif name == "bnb_4bit_compute_dtype":
-            c.map(key, value, "train.quantization_compute_dtype", dtype_name(c, key, value))
-        elif name in ("packing", "padding_free"):
-            c.map(key, value, "data.packing", as_bool(c, key, value))
-        elif name == "use_liger_kernel":
-            c.map(key, value, "train.liger_kernel", as_bool(c, key, value))
-        elif name == "optim":
-            c.map(key, value, "optimizer", optimizer_option(c, key, value))
-        elif rlhf == "grpo" and name in ("num_generations", "max_completion_length"):
-            c.map(key, value, f"step.{name}", as_count(c, key, value))
-        elif rlhf == "grpo" and name == "beta":
-            c.map(key, value, "step.beta", as_number(c, key, value))
-        elif rlhf == "grpo" and name == "use_vllm":
-            c.map(key, value, "step.use_vllm", as_bool(c, key, value))
-        elif rlhf == "grpo" and name == "vllm_mode":
-            c.map(key, value, "step.vllm_mode", str(value))
-        elif name == "global_world_size":
-            c.map(key, value, "dist.world_size", as_count(c, key, value))
-        elif name == "local_world_size":
-            c.map(key, value, "dist.ranks_per_node", as_count(c, key, value))
+            nf4_only(c, key, value)
         elif name in ("vllm_gpu_memory_utilization", "vllm_tensor_parallel_size", "vllm_max_model_len"):
             c.ignore(key, value, "vLLM's own memory: not modelled on this GPU (step.use_vllm)")
         elif not ignore_known(c, key, name, value):

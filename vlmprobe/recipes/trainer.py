@@ -20,9 +20,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from vlmprobe.recipes.common import (ALL_LINEAR_LM, VISION_LINEAR, Collector, FileRecipe, as_bool, as_count,
-                                     as_number, attention, autocast, checkpoint_kwargs, checkpointing,
-                                     deepspeed_entries, dtype_name, ignore_known, ignore_unknown, optimizer_option)
+from vlmprobe.recipes.common import (GRPO_RULES, LORA_RULES, TRAINER_RULES, Collector, FileRecipe, Rule, apply_rule,
+                                     as_bool, as_count, as_text, attention, checkpoint_kwargs, checkpointing,
+                                     deepspeed_entries, dtype_name, ignore_known, ignore_unknown, lora_targets,
+                                     nf4_only, only_false, precision_flag, split_row)
 
 __all__ = ["GRPO_FIELDS", "DPO_FIELDS", "MODEL_FIELDS", "SFT_FIELDS", "read_trainer"]
 
@@ -37,15 +38,17 @@ MODEL_FIELDS = {"model_name_or_path", "use_peft", "lora_r", "lora_target_modules
                 "dtype", "torch_dtype", "attn_implementation"}
 PEFT_KEYS = ("lora_r", "lora_alpha", "lora_dropout", "lora_target_modules", "lora_target_parameters",
              "lora_modules_to_save")
-
-
-def split_row(total: int, prompt: int | None, completion: int | None) -> tuple[int, int]:
-    """A DPO row of `total` tokens as (prompt, completion): the given one stands, the other takes the rest."""
-    if prompt is not None:
-        return prompt, max(total - prompt, 1)
-    if completion is not None:
-        return max(total - completion, 1), completion
-    return total // 2, total - total // 2
+# the keys mapped one to one (ModelConfig's, and the TrainingArguments'), then each config class's own
+RULES = {"model_name_or_path": Rule("model", as_text),
+         "attn_implementation": Rule("model.attn_implementation", attention),
+         "lora_r": Rule("train.lora_r", as_count), **LORA_RULES,
+         "use_bnb_nested_quant": Rule("train.quantization_double_quant", as_bool),
+         "use_liger_kernel": Rule("train.liger_kernel", as_bool), **TRAINER_RULES}
+PROMPT_RULE = Rule("data.lm_max_length", as_count)
+KIND_RULES = {"trl_grpo": {**GRPO_RULES, "max_prompt_length": PROMPT_RULE,
+                           "ds3_gather_for_generation": Rule("step.ds3_gather_for_generation", as_bool)},
+              "trl_dpo": {"max_prompt_length": PROMPT_RULE,
+                          "max_completion_length": Rule("step.completion_length", as_count)}}
 
 
 def read_trainer(config: dict, kind: str, where: str, base: Path | None) -> FileRecipe:
@@ -53,10 +56,15 @@ def read_trainer(config: dict, kind: str, where: str, base: Path | None) -> File
     peft = as_bool(c, "use_peft", config.get("use_peft", False))
     targets = config.get("lora_target_modules")
     all_linear = targets == "all-linear" or targets == ["all-linear"]
+    rules = RULES | KIND_RULES.get(kind, {})
 
     for key, value in config.items():
-        if key == "model_name_or_path":
-            c.map(key, value, "model", str(value))
+        if key in PEFT_KEYS and not peft:
+            c.ignore(key, value, "read only with use_peft: true")
+        elif key == "attn_implementation" and value is None:
+            c.ignore(key, value, "not set (null): the model's default")
+        elif key in rules:
+            apply_rule(c, rules[key], key, value)
         elif key in ("dtype", "torch_dtype"):
             c.map(key, value, "train.param_dtype", dtype_name(c, key, value))
             if as_bool(c, "load_in_4bit", config.get("load_in_4bit", False)):  # get_quantization_config: compute dtype
@@ -68,11 +76,6 @@ def read_trainer(config: dict, kind: str, where: str, base: Path | None) -> File
                 c.map(key, value, "train.param_dtype", dtype_name(c, f"{key}.{name}", given[name]))
             else:
                 c.ignore(key, value, "no dtype in it: nothing vlmprobe reads")
-        elif key == "attn_implementation":
-            if value is None:
-                c.ignore(key, value, "not set (null): the model's default")
-            else:
-                c.map(key, value, "model.attn_implementation", attention(c, key, value))
         elif key == "use_peft":
             if peft:
                 c.map(key, value, "train.lora_r", as_count(c, "lora_r", config.get("lora_r", 16)))
@@ -85,21 +88,12 @@ def read_trainer(config: dict, kind: str, where: str, base: Path | None) -> File
                 c.map(key, value, "train.freeze_vision", not all_linear)
             else:
                 c.map(key, value, "train.lora_r", 0)
-        elif key in PEFT_KEYS and not peft:
-            c.ignore(key, value, "read only with use_peft: true")
-        elif key == "lora_r":
-            c.map(key, value, "train.lora_r", as_count(c, key, value))
-        elif key == "lora_alpha":
-            c.map(key, value, "train.lora_alpha", as_number(c, key, value))
-        elif key == "lora_dropout":
-            c.map(key, value, "train.lora_dropout", as_number(c, key, value))
         elif key == "lora_target_modules":
             if value is None:
                 c.ignore(key, value, "not set (null): peft's default for the model type stands")
             else:
-                names = ALL_LINEAR_LM + VISION_LINEAR if all_linear else \
-                    [n.strip() for n in (value if isinstance(value, list) else str(value).split(",")) if n.strip()]
-                c.map(key, value, "train.lora_target_modules", names)
+                names = [n.strip() for n in (value if isinstance(value, list) else str(value).split(",")) if n.strip()]
+                lora_targets(c, key, value, names, every=all_linear, vision=True)
         elif key == "lora_target_parameters":
             c.map(key, value, "train.lora_target_parameters", list(value or []))
         elif key == "lora_modules_to_save":
@@ -115,26 +109,13 @@ def read_trainer(config: dict, kind: str, where: str, base: Path | None) -> File
             else:
                 c.ignore(key, value, "false: no quantization")
         elif key == "bnb_4bit_quant_type":
-            if value != "nf4":
-                raise c.refuse(key, value, "vlmprobe models nf4 4-bit quantization only")
-            c.ignore(key, value, "nf4: what train.quantization=nf4 is")
-        elif key == "use_bnb_nested_quant":
-            c.map(key, value, "train.quantization_double_quant", as_bool(c, key, value))
+            nf4_only(c, key, value)
         elif key in ("bf16", "fp16"):
-            autocast(c, key, value, "bfloat16" if key == "bf16" else "float16",
-                     config.get("fp16" if key == "bf16" else "bf16"))
+            precision_flag(c, key, key, value, config)
         elif key in ("gradient_checkpointing", "activation_checkpointing"):
             checkpointing(c, key, value)
         elif key in ("gradient_checkpointing_kwargs", "activation_checkpointing_kwargs"):
             checkpoint_kwargs(c, key, value)
-        elif key == "per_device_train_batch_size":
-            c.map(key, value, "data.batch_size", as_count(c, key, value))
-        elif key == "gradient_accumulation_steps":
-            c.map(key, value, "train.grad_accum_steps", as_count(c, key, value))
-        elif key == "optim":
-            c.map(key, value, "optimizer", optimizer_option(c, key, value))
-        elif key == "use_liger_kernel":
-            c.map(key, value, "train.liger_kernel", as_bool(c, key, value))
         elif key == "deepspeed":
             deepspeed_entries(c, key, value, base)
         elif key == "fsdp":
@@ -150,9 +131,7 @@ def read_trainer(config: dict, kind: str, where: str, base: Path | None) -> File
         elif key == "fsdp_config":
             c.ignore(key, value, "read with fsdp (its version); its other keys are not read from here")
         elif key == "activation_offloading":
-            if as_bool(c, key, value):
-                raise c.refuse(key, value, "TRL's activation offloading is not modelled; use false")
-            c.ignore(key, value, "false: nothing to model")
+            only_false(c, key, value, "TRL's activation offloading is not modelled; use false")
         elif key in ("max_length", "max_seq_length") and kind in ("trl_sft", "hf_trainer"):
             if value is None:
                 c.ignore(key, value, "not set (null): no truncation; give data.lm_max_length")
@@ -165,31 +144,17 @@ def read_trainer(config: dict, kind: str, where: str, base: Path | None) -> File
                 c.map(key, value, "data.lm_max_length", prompt)
             if "max_completion_length" not in config:
                 c.map(key, value, "step.completion_length", completion)
-        elif key == "max_prompt_length" and kind in ("trl_dpo", "trl_grpo"):
-            c.map(key, value, "data.lm_max_length", as_count(c, key, value))
-        elif key == "max_completion_length" and kind == "trl_dpo":
-            c.map(key, value, "step.completion_length", as_count(c, key, value))
         elif key in ("packing", "padding_free"):
             if kind != "trl_sft":
                 c.ignore(key, value, "not modelled outside SFT: vlmprobe packs SFT rows only")
             else:  # TRL's padding_free / packed rows: one row, position ids restarting per sample
                 c.map(key, value, "data.packing", as_bool(c, key, value))
-        elif kind == "trl_grpo" and key in ("num_generations", "max_completion_length"):
-            c.map(key, value, f"step.{key}", as_count(c, key, value))
-        elif kind == "trl_grpo" and key == "beta":
-            c.map(key, value, "step.beta", as_number(c, key, value))
-        elif kind == "trl_grpo" and key in ("use_vllm", "ds3_gather_for_generation"):
-            c.map(key, value, f"step.{key}", as_bool(c, key, value))
-        elif kind == "trl_grpo" and key == "vllm_mode":
-            c.map(key, value, "step.vllm_mode", str(value))
         elif kind == "trl_grpo" and key in ("steps_per_generation", "generation_batch_size"):
             c.ignore(key, value, "not modelled: one generation covers data.batch_size x train.grad_accum_steps "
                                  "rows (TRL's default)")
         elif kind == "trl_dpo" and key == "precompute_ref_log_probs":
-            if as_bool(c, key, value):
-                raise c.refuse(key, value, "a reference scored before training is not modelled (vlmprobe scores "
-                                           "it in the step); use false")
-            c.ignore(key, value, "false: the reference scores the rows in the step")
+            only_false(c, key, value, "a reference scored before training is not modelled (vlmprobe scores it in the "
+                                      "step); use false", "false: the reference scores the rows in the step")
         elif kind == "trl_dpo" and key == "beta":
             c.ignore(key, value, "no memory effect (the loss's temperature)")
         elif not ignore_known(c, key, key, value):
