@@ -10,20 +10,24 @@ import importlib.util
 from pathlib import Path
 
 from vlmprobe import backends, quantization
+from vlmprobe.dataset import SAMPLERS
 from vlmprobe.errors import ConfigError, require_flags
 from vlmprobe.gpu import alloc_conf, device_profile
 from vlmprobe.gpu.device_profile import UNBOUNDED
 from vlmprobe.knobs import validate_knobs
 from vlmprobe.results.answer import OUTPUTS
 from vlmprobe.point.build import step_settings
+from vlmprobe.point.dataset_steps import plan as plan_dataset
 from vlmprobe.sizes import parse_bytes
 
-__all__ = ["DTYPE_NAMES", "RECORD_HISTORY", "STEPS", "allocator_skip", "check_measure", "check_step",
-           "check_top_level", "check_train", "kernel_skip", "resolve_backend"]
+__all__ = ["DATASET_FAMILIES", "DTYPE_NAMES", "RECORD_HISTORY", "STEPS", "allocator_skip", "check_measure",
+           "check_source", "check_step", "check_top_level", "check_train", "kernel_skip", "resolve_backend"]
 
 DTYPE_NAMES = ("float32", "bfloat16", "float16")
 RECORD_HISTORY = ("off", "alloc", "all")
 STEPS = ("sft", "grpo", "dpo")
+# the families whose dataset batches are built (ModelSpec.dataset_batch), by their transformers config class
+DATASET_FAMILIES = {"Qwen2VLConfig": "Qwen2-VL", "Qwen2_5_VLConfig": "Qwen2.5-VL"}
 
 
 def check_top_level(base: dict) -> None:
@@ -118,6 +122,41 @@ def check_step(cfg: dict, data, spec):
         raise ConfigError(f"data.packing=true is not allowed with step={name}: packed batches are modelled for "
                           f"step=sft; use data.packing=false")
     return step_settings(cfg, data, spec)
+
+
+def check_source(cfg: dict, data, spec) -> None:
+    """data.source (vlmprobe.point.dataset_steps): what runs it now (a Qwen2-VL / Qwen2.5-VL family, one rank, sft,
+    no packing), the settings it makes unused, the sampler, and the dataset itself (read here: a missing image or
+    an empty dataset is one line before anything is built)."""
+    if data.source is None:
+        return
+    supported = "Qwen2-VL / Qwen2.5-VL (qwen2_vl_*, qwen2_5_vl_*, hf), dist=none, step=sft, data.packing=false"
+    family = getattr(spec, "config_class", None)
+    if family not in DATASET_FAMILIES or not callable(getattr(spec, "dataset_batch", None)):
+        raise ConfigError(f"model={cfg['model'].get('name', '?')} is not allowed with data.source: a dataset's "
+                          f"batches run for {supported} for now")
+    if cfg["dist"]["name"] != "none":
+        raise ConfigError(f"dist={cfg['dist']['name']} is not allowed with data.source: a dataset's batches run on "
+                          f"one rank for now ({supported}); use dist=none")
+    if cfg["step"]["name"] != "sft":
+        raise ConfigError(f"step={cfg['step']['name']} is not allowed with data.source: a dataset's batches run "
+                          f"for step=sft for now ({supported})")
+    if data.packing:
+        raise ConfigError(f"data.packing=true is not allowed with data.source: a dataset's batches are padded, not "
+                          f"packed, for now ({supported}); use data.packing=false")
+    if data.image_size is not None:
+        raise ConfigError(f"data.image_size={data.image_size} is not allowed with data.source: each image keeps its "
+                          f"own size from the dataset; use null")
+    if data.videos_per_sample:
+        raise ConfigError(f"data.videos_per_sample={data.videos_per_sample} is not allowed with data.source: the "
+                          f"dataset says each sample's images; use 0")
+    if data.sampler not in SAMPLERS:
+        raise ConfigError(f"data.sampler={data.sampler!r} is not allowed: use one of {', '.join(SAMPLERS)}")
+    samples, _ = plan_dataset(cfg, spec, data)  # read and planned as the point will: a sample that cannot fit refused
+    with_videos = next((s for s in samples if s.videos), None)
+    if with_videos is not None:
+        raise ConfigError(f"data.source={data.source} is not allowed: sample {with_videos.index} holds videos, whose "
+                          f"batches are not run yet; give images only")
 
 
 def kernel_skip(cfg: dict) -> str | None:

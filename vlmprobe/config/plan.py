@@ -115,6 +115,7 @@ def validate_point(cfg: dict, point: Point) -> tuple[dict, str | None]:
     liger.validate(train, spec, cfg["step"]["name"], cfg["dist"]["name"])  # needs the family: after the spec
     dist_options.validate(cfg["dist"], measure["backend"], cfg.get("find"), cuda.device_count)
     step = checks.check_step(cfg, data, spec)
+    checks.check_source(cfg, data, spec)  # data.source: its dataset read, before anything runs
     cfg["optimizer"] = quantization.optimizer_for(cfg["optimizer"], measure["backend"])
     described, skip, trainable = describe_model(*(json.dumps(cfg[k], sort_keys=True)
                                                   for k in ("model", "train", "optimizer")))

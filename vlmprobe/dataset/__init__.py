@@ -1,5 +1,5 @@
 """A dataset's shapes and the batches a trainer makes of them: the data side of issue 49 (the engine side, each
-step through the allocator model, will consume `plan_batches`' output).
+step through the allocator model, consumes `plan_batches`' output: vlmprobe.point.dataset_steps).
 
 read_samples (samples.py: shapes files, LLaMA-Factory / ms-swift / TRL datasets, save_to_disk folders;
 synthetic.py) -> image_tokens (image_tokens.py, per family) -> plan_batches (batches.py: the Trainer's samplers,

@@ -122,7 +122,9 @@ def bidirectional_mask_read(original):
 def causal_mask_read(masking_utils, original):
     """generate() makes its own all-ones attention mask when none is given (step=grpo's rollout); a real run reads
     it (fast_all) and, finding no padding, skips the (B, 1, q, kv) mask for SDPA's is_causal. Fake masks are taken
-    for tracing and never skipped: answered as the real run, making the ops it makes to read."""
+    for tracing and never skipped: answered as the real run, making the ops it makes to read. A mask that is a
+    constant fake (a dataset's padded batch, vlmprobe.point.dataset_steps) answers from its values: padded rows keep
+    the (B, 1, q, kv) mask, as a real run does; any other fake is a synthetic, unpadded one."""
     def ignore_causal_mask_sdpa(padding_mask, *args, **kwargs):
         if not isinstance(padding_mask, FakeTensor):
             return original(padding_mask, *args, **kwargs)
@@ -130,7 +132,8 @@ def causal_mask_read(masking_utils, original):
 
         def all_ones(tensor):
             fast_all(tensor)  # the sum and compare a real run reads
-            return True  # synthetic prompts are unpadded
+            constant = getattr(tensor, "constant", None)
+            return True if constant is None else bool(constant.all())
 
         masking_utils.is_tracing = lambda t: False if isinstance(t, FakeTensor) else tracing(t)
         masking_utils.fast_all = all_ones

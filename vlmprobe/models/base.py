@@ -40,6 +40,13 @@ class DataShape:
     video_total_pixels: int | None = None  # cap on frames x H*W per video (qwen-vl-utils' VIDEO_TOTAL_PIXELS); None = none
     video_processor: str = "transformers"  # whose rule sizes the frames: transformers | qwen_vl_utils
     packing: bool = False  # the micro batch's samples as one row, positions restarting per sample (models/packing.py)
+    # a dataset's batches step after step (vlmprobe.point.dataset_steps); None = the synthetic batch above
+    source: object = None  # a shapes file / dataset path / synthetic spec, as vlmprobe.dataset.read_samples takes it
+    steps: int | None = None  # optimizer steps over the dataset; None = one epoch, at most 20 steps
+    sampler: str = "random"  # the trainer's sampler (vlmprobe.dataset.SAMPLERS, checked in vlmprobe.config.checks)
+    seed: int = 42  # the sampler's seed
+    pad_to_multiple_of: int | None = None  # a micro batch padded to its longest sample, rounded up to this
+    image_dir: str | None = None  # the folder relative image paths are read from; None = the dataset's own
 
     @classmethod
     def from_config(cls, data) -> "DataShape":
@@ -68,7 +75,25 @@ class DataShape:
             raise ConfigError(f"data.video_frames=None is not allowed with data.videos_per_sample="
                               f"{shape.videos_per_sample}: give the frames each video hands the processor (after "
                               f"sampling: fps x seconds, capped as your pipeline caps them)")
+        shape.check_source_fields()
         return shape
+
+    def check_source_fields(self) -> None:
+        """The dataset fields' types (data.source's): what they mean is checked where the source is read
+        (vlmprobe.config.checks.check_source)."""
+        if self.source is not None and not isinstance(self.source, (str, dict)):
+            raise ConfigError(f"data.source={self.source!r} is not allowed: give a shapes file or dataset path, "
+                              f"synthetic:{{...}}, or null")
+        for name in ("steps", "pad_to_multiple_of"):
+            value = getattr(self, name)
+            if value is not None and (not whole(value) or value <= 0):
+                raise ConfigError(f"data.{name}={value!r} is not allowed: it must be a positive integer or null")
+        if not whole(self.seed) or self.seed < 0:
+            raise ConfigError(f"data.seed={self.seed!r} is not allowed: it must be an integer >= 0")
+        if not isinstance(self.sampler, str):
+            raise ConfigError(f"data.sampler={self.sampler!r} is not allowed: give a sampler's name")
+        if self.image_dir is not None and not isinstance(self.image_dir, str):
+            raise ConfigError(f"data.image_dir={self.image_dir!r} is not allowed: give a folder path or null")
 
 
 # transformers' modules that a family built on transformers runs through, and where the estimate answers what

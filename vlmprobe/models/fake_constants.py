@@ -17,7 +17,7 @@ from collections.abc import Callable
 
 import torch
 
-__all__ = ["collated", "constant_tensor"]
+__all__ = ["collated", "constant_tensor", "hold_constant_limit"]
 
 _limit_requests: dict[int, int] = {}  # live requests for a raised CONSTANT_NUMEL_LIMIT: key -> numel
 _limit_keys = itertools.count()

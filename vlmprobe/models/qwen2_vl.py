@@ -380,6 +380,65 @@ class Qwen2VLSpec(ModelSpec):
             return packed(data, device, input_ids, labels, inputs, limit=max(limit, 4 * b * data.lm_max_length))
         return collated(data, device, input_ids, labels, inputs, limit=limit)
 
+    def dataset_batch(self, samples: list[tuple[list[tuple[int, int]], int]], padded_length: int, data: DataShape,
+                      device: torch.device) -> dict:
+        """The inputs of one micro batch of a dataset's samples (vlmprobe.point.dataset_steps), as the processor and
+        a padding collator hand them: `samples` holds each sample's images ((height, width) px, in order) and its
+        LM tokens after truncation (vlmprobe.dataset.plan_batches). Per image, smart_resize within the point's
+        pixel bounds gives its image_grid_thw row [1, rows, cols] and rows x cols pixel_values rows (float32, as
+        the image processor returns them), framed by vision_start / vision_end and followed by the sample's text:
+        the markers are counted in its tokens (the plan counts image and text tokens only). Each sample is then
+        right-padded to `padded_length` with the pad token (Qwen2-VL's tokenizer pads with <|endoftext|>, the
+        config's bos_token_id), attention_mask 0 and labels -100 at the pads: transformers 5.25's
+        DataCollatorForSeq2Seq, whose padding side is the tokenizer's (PreTrainedTokenizerBase's default
+        "right"). M-RoPE positions are those of get_rope_index given the mask: the sample's own, 0 at the pads.
+        ConfigError where a sample's images and their markers do not fit its tokens. The caller holds fake tensors'
+        constant limit over the batch's tokens and patches (vlmprobe.point.dataset_steps.constant_limit), as
+        `collated` holds it for batch()."""
+        ids = self.token_ids
+        merge, patch = self.vision["spatial_merge_size"], self.vision["patch_size"]
+        low, high = self.pixel_bounds(data)
+        text_vocab = min(ids[k] for k in self.token_keys)
+        start, end, pad = ids[self.markers[0]], ids[self.markers[1]], ids["bos_token_id"]
+        rows_ids, rows_labels, rows_types, rows_mask, rows_positions, grids = [], [], [], [], [], []
+        for images, tokens in samples:
+            input_ids, types, layout = [], [], []
+            for height, width in images:
+                rows, cols = self.grid_at(height, width, low, high, self.frames_in_budget)
+                grids.append((rows, cols))
+                per_image = rows * cols // merge**2
+                input_ids += [start] + [ids["image_token_id"]] * per_image + [end]
+                types += [0] + [1] * per_image + [0]
+                layout += [("text", 1), ("image", (rows // merge, cols // merge)), ("text", 1)]
+            n_text = tokens - len(input_ids)
+            if n_text < 0 or tokens > padded_length:
+                raise ConfigError(f"a sample of {tokens} tokens is not allowed for {self.name}: its "
+                                  f"{len(images)} image(s) and their markers take {len(input_ids)} tokens; give a "
+                                  f"larger data.lm_max_length or smaller images")
+            input_ids += filler_text(n_text, text_vocab)
+            types += [0] * n_text
+            layout.append(("text", n_text))
+            labels = [IGNORE_INDEX if t or i in (start, end) else i for i, t in zip(input_ids, types)]
+            padding = padded_length - tokens
+            rows_ids.append(input_ids + [pad] * padding)
+            rows_labels.append(labels + [IGNORE_INDEX] * padding)
+            rows_types.append(types + [0] * padding)
+            rows_mask.append([1] * tokens + [0] * padding)
+            rows_positions.append([row + [0] * padding for row in mrope_position_ids(layout)])
+        patch_values = self.vision["in_channels"] * self.vision["temporal_patch_size"] * patch**2
+        batch = {"input_ids": constant_tensor(rows_ids, device), "labels": constant_tensor(rows_labels, device),
+                 "attention_mask": constant_tensor(rows_mask, device),
+                 "mm_token_type_ids": constant_tensor(rows_types, device),
+                 "position_ids": constant_tensor([[p[axis] for p in rows_positions] for axis in range(3)], device)}
+        if grids:
+            batch.update({
+                "image_grid_thw": constant_tensor([[1, rows, cols] for rows, cols in grids], device),
+                "pixel_values": torch.randn(sum(rows * cols for rows, cols in grids), patch_values,
+                                            dtype=torch.float32, device=device),
+                **self.vision_inputs(grids, device),
+            })
+        return batch
+
     # -- generation (step=grpo) -----------------------------------------------------------------------
     can_generate = True
 

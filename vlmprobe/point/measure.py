@@ -1,6 +1,7 @@
 """One point, measured in this process: open the backend's session, load the model (build, knobs, engine,
 optimizer, batch), run the step, read the row's figures. An out-of-memory is a result (status `oom`, with what
-was measured up to it); anything else raises, for the caller to record.
+was measured up to it); anything else raises, for the caller to record. With data.source a dataset's batches run
+step after step instead of the synthetic batch (vlmprobe.point.dataset_steps); their records leave under `steps`.
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ from vlmprobe.gpu import alloc_conf, device_profile
 from vlmprobe.kernels import liger
 from vlmprobe.knobs import adapters_disabled
 from vlmprobe.models.base import DataShape
+from vlmprobe.point.dataset_steps import DatasetRun
+from vlmprobe.point.dataset_steps import plan as plan_dataset
 from vlmprobe.point.build import DTYPES, build_spec, built, model_key, reference_model, step_settings
 from vlmprobe.states import Phase, Status
 from vlmprobe.steps.common import StepReport
@@ -76,17 +79,27 @@ def measure_once(point: dict, replay_blocks: bool) -> dict:
     report = StepReport()
     out: dict = {"backend": backend.name, "status": Status.OK}
     card = device_profile.from_config(point.get("device"))  # the target card, or None
+    dataset = DatasetRun(*plan_dataset(point, spec, data)) if data.source is not None else None
     with session(backend, point, card) as meter, contextlib.ExitStack() as host_memory:
         loaded, held = None, {}
         try:
             loaded = load(backend, meter, point, spec, data, host_memory, out)
-            train(backend, meter, point, spec, data, loaded, report, replay_blocks)
+            if dataset is not None:
+                autocast = backend.autocast(DTYPES.get(point["train"].get("autocast_dtype") or ""))
+                dataset.run(backend, meter, point, spec, data, loaded.engine, autocast, report)
+            else:
+                train(backend, meter, point, spec, data, loaded, report, replay_blocks)
         except Exception as exc:
             if not is_out_of_memory(exc):
                 raise
+            if dataset is not None:
+                dataset.ran_out(backend, meter)
             ran_out(backend, meter, report, out, str(exc))
             out["oom_filled"] = backend.oom_filled(meter, loaded.engine if loaded is not None else None)
             held = held_when_out(loaded)
+        if dataset is not None:  # its records (steps.csv, vlmprobe.run.sweep) and the row's notes on them
+            out["steps"] = dataset.rows()
+            meter.notes.extend([*dataset.notes, *filter(None, [dataset.note()])])
         read_figures(backend, meter, point, card, report, out)
         out.update(held)
     return out
@@ -122,7 +135,8 @@ def load(backend, meter, point: dict, spec, data: DataShape, host_memory: contex
     host_memory.enter_context(engine.host_memory())
     model, out["build_peak_bytes"] = backend.load_model(
         meter, model_key(point), lambda mark: built(spec, engine, train, backend.name, meter, mark))
-    batch = spec.batch(data, backend.device()) if point["step"]["name"] == "sft" else None
+    # a dataset's batches are made step by step (vlmprobe.point.dataset_steps)
+    batch = spec.batch(data, backend.device()) if point["step"]["name"] == "sft" and data.source is None else None
     engine.prepare(spec, model, instantiate(point["optimizer"], _convert_="all"))
     settings = step_settings(point, data, spec)
     reference = reference_model(spec, point, engine, settings)

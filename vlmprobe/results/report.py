@@ -1,4 +1,8 @@
-"""The tables a person reads at the end of a sweep: results.parquet, summary.md, plot.png and timeline.png.
+"""The tables a person reads at the end of a sweep: results.parquet, summary.md, plot.png, timeline.png and steps.png.
+
+steps.png draws steps.csv (points that ran a dataset's steps, data.source: vlmprobe.point.dataset_steps): the peak
+allocated and reserved of each step (the highest of its micro batches), the capacity the point ran against as a
+line, an out-of-memory step marked; one panel per point, the first six.
 
 timeline.png draws what timeline.jsonl keeps (estimate and cpu points; cuda keeps none): allocated and reserved
 over one point's run, each sample the maximum of its bucket of allocations, so no peak is lost
@@ -22,13 +26,14 @@ from vlmprobe.sizes import GiB
 from vlmprobe.states import Status
 
 __all__ = ["host_memory", "NO_CARD", "on_the_card", "out_of_memory", "plot", "pyplot", "summary_markdown",
-           "timeline_plot", "write_reports"]
+           "steps_plot", "STEPS_FILE", "timeline_plot", "write_reports"]
 
 BACKEND_WORDS = {
     "cuda": "measured on a CUDA GPU (torch.cuda.max_memory_allocated)",
     "estimate": "ESTIMATES for a CUDA GPU from the real step on fake tensors (no GPU was used)",
     "cpu": "CPU proxy figures (live tensor bytes on the CPU), not GPU measurements",
 }
+STEPS_FILE = "steps.csv"  # vlmprobe.point.dataset_steps writes it beside results.csv
 BACKEND_TITLES = {"cuda": "measured on CUDA", "estimate": "ESTIMATE (no GPU)", "cpu": "CPU proxy (not GPU)"}
 
 
@@ -65,6 +70,8 @@ def write_reports(out_dir: Path, axes: list[str], env: dict) -> tuple[pd.DataFra
         timelines = attempt("timeline.jsonl", lambda: read_timelines(out_dir), {})
         if timelines:
             attempt("timeline.png", lambda: timeline_plot(table, timelines, out_dir / "timeline.png"))
+        if (out_dir / STEPS_FILE).is_file():
+            attempt("steps.png", lambda: steps_plot(table, pd.read_csv(out_dir / STEPS_FILE), out_dir / "steps.png"))
     return table, failures
 
 
@@ -429,6 +436,49 @@ def timeline_plot(table: pd.DataFrame, timelines: dict[str, dict], path: Path) -
     axes[-1, 0].set_xlabel("allocations so far (each sample the highest of its bucket of allocations)")
     backends = ", ".join(BACKEND_TITLES.get(b, b) for b in sorted(table["backend"].dropna().unique()))
     fig.suptitle(f"{table['sweep'].iloc[0]}: allocated and reserved over a point's run, {backends}", fontsize=10)
+    fig.tight_layout()
+    with replacing(path) as partial:
+        fig.savefig(partial, dpi=110)
+    plt.close(fig)
+
+
+def steps_plot(table: pd.DataFrame, steps: pd.DataFrame, path: Path) -> None:
+    """Peak allocated and reserved per step of each point in `steps` (steps.csv's rows; the last rows of a point
+    run again on resume win), the capacity it ran against as a line, an `oom` step marked (module docstring)."""
+    plt = pyplot()
+
+    rows = {row["point_id"]: row for row in records(table)}
+    chosen = [p for p in dict.fromkeys(steps["point_id"]) if p in rows][:TIMELINE_PANELS]
+    if not chosen:
+        return
+    fig, axes = plt.subplots(len(chosen), 1, figsize=(9, 2.6 * len(chosen) + 0.6), squeeze=False)
+    for ax, point_id in zip(axes[:, 0], chosen):
+        mine = steps[steps["point_id"] == point_id].drop_duplicates(["step", "micro", "rank"], keep="last")
+        per_step = mine.groupby("step").agg(allocated=("peak_allocated_bytes", "max"),
+                                            reserved=("peak_reserved_bytes", "max"),
+                                            oom=("status", lambda s: (s == Status.OOM).any()))
+        row = rows[point_id]
+        capacity = row.get("imposed_capacity_bytes")
+        capacity = None if capacity is None or pd.isna(capacity) else float(capacity)
+        top = max(per_step["reserved"].max(), per_step["allocated"].max(), capacity or 0)
+        unit, scale = ("GiB", GiB) if top >= GiB else ("MiB", 2**20)
+        ax.plot(per_step.index, per_step["reserved"] / scale, marker="o", color="C0", lw=1, label="peak reserved")
+        ax.plot(per_step.index, per_step["allocated"] / scale, marker="o", color="k", lw=1, label="peak allocated")
+        for step in per_step.index[per_step["oom"]]:
+            ax.axvline(step, color="C3", lw=1, alpha=0.6, label=f"out of memory (step {step})")
+        if capacity is not None:
+            name = card_name(row)
+            ax.axhline(capacity / scale, color="red", linestyle=":", label=f"{name or 'capacity'}: "
+                       f"{capacity / scale:,.2f} {unit}")
+        ax.set_title(f"{point_id}: {row['status']}", fontsize=9)
+        ax.set_ylim(0, top / scale * 1.3)
+        ax.set_ylabel(f"{unit} (1024-based)")
+        ax.set_xticks(list(per_step.index))
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7, loc="upper left", ncol=4)
+    axes[-1, 0].set_xlabel("optimizer step (each point the highest of its micro batches)")
+    backends = ", ".join(BACKEND_TITLES.get(b, b) for b in sorted(table["backend"].dropna().unique()))
+    fig.suptitle(f"{table['sweep'].iloc[0]}: a dataset's steps, {backends}", fontsize=10)
     fig.tight_layout()
     with replacing(path) as partial:
         fig.savefig(partial, dpi=110)

@@ -37,7 +37,8 @@ from vlmprobe.states import Status
 
 __all__ = ["counted", "duration", "run", "say"]
 
-WRITTEN = ("results.csv", "results.parquet", "summary.md", "report.html", "plot.png", "timeline.png")  # what the
+WRITTEN = ("results.csv", "results.parquet", "summary.md", "report.html", "plot.png", "timeline.png", "steps.csv",
+           "steps.png")  # what the
 # closing line names, those that exist
 
 

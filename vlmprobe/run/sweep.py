@@ -15,6 +15,7 @@ from tqdm.auto import tqdm
 
 from vlmprobe import interrupt
 from vlmprobe.errors import ConfigError
+from vlmprobe.point.dataset_steps import append_steps_csv
 from vlmprobe.point.measure import error_row, measure
 from vlmprobe.results.table import RowWriter, append_timeline, mib, read_table
 from vlmprobe.run.ranks import RankWriter, run_ranks
@@ -78,10 +79,13 @@ class Runner:
         if "ranks" in outputs:
             self.ranks.append(item.point.id, outputs.pop("ranks"))
         timeline = outputs.pop("timeline", None)  # not a column: timeline.jsonl (vlmprobe.results.table)
+        steps = outputs.pop("steps", None)  # data.source's records, not columns: steps.csv (vlmprobe.point.dataset_steps)
         row = {**item.inputs, **outputs}
         self.writer.append(row)
         if timeline is not None:
             append_timeline(self.out_dir, item.point.id, timeline)
+        if steps is not None:
+            append_steps_csv(self.out_dir, item.point.id, steps)
         self.done[item.point.id] = row
         self.statuses.append(row["status"])
         peak = mib(row.get("peak_allocated_bytes"))

@@ -1,0 +1,116 @@
+"""A dataset's batches run step after step through the allocator (data.source=, vlmprobe.point.dataset_steps): the
+estimate equals the cpu backend to the byte step by step, a longer batch's step has the higher peak, a capacity the
+third batch exceeds ends the run there with that batch named, and each unsupported setting is one line. Checked
+against the cpu backend (real tensors), a hand ordering of the batches, and the transformers Qwen2-VL model itself
+(the batch's image features must match its image tokens, or its forward raises)."""
+
+import json
+
+import pandas as pd
+import pytest
+
+from vlmprobe.errors import ConfigError
+from vlmprobe.point.measure import measure
+from vlmprobe.results.answer import verdict
+
+# sequential sampler, batch 2: step 1 short, step 2 medium, step 3 long (two 336 x 224 px images: 96 tokens each)
+SAMPLES = [
+    {"text_tokens": 20, "images": [[112, 112]]},
+    {"text_tokens": 30, "images": [[56, 84]]},
+    {"text_tokens": 80, "images": [[224, 168]]},
+    {"text_tokens": 60, "images": [[112, 140], [56, 56]]},
+    {"text_tokens": 150, "images": [[336, 224], [336, 224]]},
+    {"text_tokens": 40, "images": []},
+]
+BASE = ["model=qwen2_vl_tiny", "data.batch_size=2", "data.steps=3", "data.sampler=sequential",
+        "data.lm_max_length=1024"]
+
+
+@pytest.fixture
+def shapes(tmp_path):
+    path = tmp_path / "shapes.jsonl"
+    path.write_text("".join(json.dumps(s) + "\n" for s in SAMPLES))
+    return path
+
+
+RUNS: dict = {}  # the unbounded run on both backends, made once for the tests that read it
+
+
+@pytest.fixture
+def runs(point, shapes):
+    if not RUNS:
+        RUNS.update({b: measure(point([*BASE, f"data.source={shapes}", f"measure.backend={b}"]))
+                     for b in ("estimate", "cpu")})
+    return shapes, RUNS
+
+
+def test_the_estimate_equals_the_cpu_backend_step_by_step_to_the_byte(runs):
+    _, rows = runs
+    estimate, cpu = rows["estimate"], rows["cpu"]
+    assert estimate["status"] == cpu["status"] == "ok"
+    assert [r["step"] for r in estimate["steps"]] == [1, 2, 3]
+    assert estimate["steps"] == cpu["steps"]  # every per-step figure, the batches' descriptions too
+    for key in estimate:
+        if key.endswith("_bytes"):
+            assert estimate[key] == cpu[key], key
+
+
+def test_the_longer_batchs_step_has_the_higher_allocated_peak(runs):
+    _, rows = runs
+    steps = rows["estimate"]["steps"]
+    # by hand (smart_resize to multiples of 28 px, one token per 28 x 28 px): step 1: 20 + 16 (112 x 112) and 30 + 6
+    # (56 x 84) = 36; step 2: 80 + 48 (224 x 168) = 128 beside 60 + 20 + 1 = 81; step 3: 150 + 2 x 96 = 342 beside 40
+    lengths = [s["padded_length"] for s in steps]
+    assert lengths == [36, 128, 342]
+    peaks = [s["peak_allocated_bytes"] for s in steps]
+    assert peaks[0] < peaks[1] < peaks[2]
+    assert rows["estimate"]["peak_allocated_bytes"] == max(peaks)  # the row's peak is the run's
+    assert steps[2]["images"] == "336x224 336x224" and steps[2]["image_tokens"] == 192
+
+
+def test_a_capacity_the_third_batch_exceeds_ends_the_run_at_step_3_with_that_batch_named(runs, point):
+    path, rows = runs
+    steps = rows["estimate"]["steps"]
+    # what steps 1-2 reserved unbounded (so they run as before), below what step 3 reserved unbounded; the allocator
+    # then frees its cache and retries, and still cannot place step 3's blocks
+    capacity = max(s["peak_reserved_bytes"] for s in steps[:2])
+    assert capacity < steps[2]["peak_reserved_bytes"]
+    row = measure(point([*BASE, f"data.source={path}", "measure.backend=estimate",
+                         f"measure.device_memory={capacity}"]))
+    assert row["status"] == "oom"
+    assert [(r["step"], r["status"]) for r in row["steps"]] == [(1, "ok"), (2, "ok"), (3, "oom")]
+    assert row["steps"][:2] == steps[:2]  # the steps before it ran as they did without the capacity
+    line = verdict({**row, "point_id": "p", "device": None})
+    assert "runs out at step 3: a batch with a 342-token sample holding two 336 x 224 images" in line
+
+
+def test_a_sweep_writes_steps_csv_and_steps_png(cli, shapes, tmp_path):
+    code, err = cli([*BASE, f"data.source={shapes}", "measure.backend=estimate"])
+    assert code == 0, err
+    (out_dir,) = (tmp_path / "r" / "single").iterdir()
+    table = pd.read_csv(out_dir / "steps.csv")
+    assert list(table.columns) == ["point_id", "step", "micro", "rank", "samples", "longest_tokens", "padded_length",
+                                   "image_tokens", "images", "peak_allocated_bytes", "peak_reserved_bytes",
+                                   "num_alloc_retries", "status"]
+    assert table["step"].tolist() == [1, 2, 3] and (out_dir / "steps.png").stat().st_size > 0
+    assert len(pd.read_csv(out_dir / "results.csv")) == 1  # the records are steps.csv's, not a row's
+
+
+@pytest.mark.parametrize("extra, words", [
+    (["model=nanovlm_tiny"], "model=nanovlm_tiny is not allowed with data.source"),
+    (["step=grpo", "step.num_generations=2"], "step=grpo is not allowed with data.source"),
+    (["data.packing=true"], "data.packing=true is not allowed"),
+    (["data.image_size=224"], "data.image_size=224 is not allowed with data.source"),
+    (["data.sampler=shuffled"], "data.sampler='shuffled' is not allowed: use one of random, group_by_length"),
+    (["data.steps=0"], "data.steps=0 is not allowed"),
+    (["data.lm_max_length=100"], "is not allowed for qwen2_vl_tiny: after truncation it keeps 100 tokens"),
+])
+def test_each_unsupported_setting_is_one_line(point, shapes, extra, words):
+    with pytest.raises(ConfigError) as caught:
+        point([*BASE, f"data.source={shapes}", "measure.backend=estimate", *extra])
+    assert words in str(caught.value) and "\n" not in str(caught.value)
+
+
+def test_dist_other_than_none_is_refused_in_one_line(point, shapes):
+    with pytest.raises(ConfigError, match="dist=fsdp2 is not allowed with data.source: .* use dist=none"):
+        point([*BASE, f"data.source={shapes}", "measure.backend=estimate", "dist=fsdp2", "dist.world_size=2"])

@@ -1,0 +1,209 @@
+"""A dataset's batches, step after step, in one backend session (data.source=): the allocator's cached blocks carry
+from one step to the next, as in a real run, so fragmentation from batches of changing shapes shows in reserved.
+
+Rule: the samples (vlmprobe.dataset.read_samples) are planned once per point (plan_batches, one rank, the point's
+sampler, seed, per-device batch, grad_accum, lm_max_length as the max length, pad_to_multiple_of); each optimizer
+step then runs its micro batches one after another as vlmprobe.steps.sft does (zero_grad, then per micro batch its
+inputs made as the collator hands them, forward under autocast, loss / grad_accum, backward; then the optimizer
+step), each micro batch's inputs built right before its forward and dropped after its backward. Every step is
+traced anew (no step replay: the shapes differ from step to step). Steps are counted from 1 (the Trainer's
+global_step once the step is done); micro and rank from 0, as in the plan.
+
+Per micro batch a record: its samples, longest sample, padded length, image tokens and sizes, the peak allocated and
+reserved over its forward and backward (the step's optimizer update counted in its last micro batch),
+num_alloc_retries so far, and its status; an out-of-memory ends the run there, its record `oom`. The records leave
+the point under the row's `steps` key and become steps.csv (vlmprobe.run.sweep).
+
+Limits: Qwen2-VL / Qwen2.5-VL, one rank, step=sft, padded batches (no packing), images only; the vision markers
+are counted in a sample's tokens (the plan counts image and text tokens only); a real DataLoader prefetches the
+next batches (their host copies are not on the device; pin_memory is not modelled).
+"""
+
+from __future__ import annotations
+
+import copy
+import csv
+from pathlib import Path
+
+
+from vlmprobe.dataset import StepBatch, plan_batches, read_samples, sample_notes
+from vlmprobe.errors import ConfigError, WriteError, first_line
+from vlmprobe.models.base import DataShape
+from vlmprobe.models.fake_constants import hold_constant_limit
+from vlmprobe.results.answer import DATASET_NOTE
+from vlmprobe.states import Phase, Status
+from vlmprobe.steps.common import PhaseClock, StepReport
+
+__all__ = ["DEFAULT_STEPS_CAP", "DatasetRun", "append_steps_csv", "batch_words", "plan",
+           "STEPS_COLUMNS", "STEPS_FILE"]
+
+DEFAULT_STEPS_CAP = 20  # data.steps=null: one epoch, at most this many steps
+STEPS_FILE = "steps.csv"
+STEPS_COLUMNS = ("point_id", "step", "micro", "rank", "samples", "longest_tokens", "padded_length", "image_tokens",
+                 "images", "peak_allocated_bytes", "peak_reserved_bytes", "num_alloc_retries", "status")
+NUMBERS = ("no", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine", "ten")
+
+
+def plan(point: dict, spec, data: DataShape) -> tuple[list, list[StepBatch]]:
+    """(samples, the planned micro batches of one rank) of the point's data.source. Image tokens follow the point's
+    pixel bounds (data.min_pixels / max_pixels, else the model's), as its batches are built."""
+    samples = read_samples(data.source, image_dir=data.image_dir)
+    bounded = copy.copy(spec)  # the plan's image tokens within the point's bounds, as dataset_batch resizes
+    bounded.min_pixels, bounded.max_pixels = spec.pixel_bounds(data)
+    accum = point["train"]["grad_accum_steps"]
+    steps = data.steps or min(DEFAULT_STEPS_CAP, -(-len(samples) // (data.batch_size * accum)))
+    planned = plan_batches(samples, bounded, batch_size=data.batch_size, steps=steps, world_size=1, seed=data.seed,
+                           sampler=data.sampler, max_length=data.lm_max_length,
+                           pad_to_multiple_of=data.pad_to_multiple_of, grad_accum=accum)
+    by_index = {s.index: s for s in samples}
+    for batch in planned:  # a sample whose images and markers do not fit its tokens: one line, before any step
+        for index, tokens in zip(batch.indices, batch.tokens):
+            images = by_index[index].images
+            framed = sum(bounded.image_tokens_at(h, w) for h, w in images) + 2 * len(images)
+            if framed > tokens:
+                raise_unfit(spec, index, tokens, framed)
+    return samples, planned
+
+
+def raise_unfit(spec, index: int, tokens: int, framed: int) -> None:
+    raise ConfigError(f"data.source sample {index} is not allowed for {spec.name}: after truncation it keeps {tokens} "
+                      f"tokens, but its images and their vision markers take {framed}; give a larger "
+                      f"data.lm_max_length or smaller images (data.max_pixels)")
+
+
+class DatasetRun:
+    """The planned micro batches of one point, run in its session; `records` fills as they run (an out-of-memory
+    leaves those before it and its own)."""
+
+    def __init__(self, samples: list, planned: list[StepBatch]):
+        self.samples = {s.index: s for s in samples}
+        self.planned = planned
+        self.records: list[dict] = []
+        self.notes = sample_notes(samples)
+
+    def run(self, backend, meter, point: dict, spec, data: DataShape, engine, autocast, report: StepReport) -> None:
+        """Every planned step (module docstring), filling `report` as vlmprobe.steps.sft does."""
+        accum = point["train"]["grad_accum_steps"]
+        limit = max(max(4 * len(b.tokens) * b.padded_length, self.patches(spec, data, b)) for b in self.planned)
+        clock = PhaseClock(meter, report)
+        steps: dict[int, list[StepBatch]] = {}
+        for batch in self.planned:
+            steps.setdefault(batch.step, []).append(batch)
+        release = hold_constant_limit(limit)  # the batches' token and patch counts stay real values on fakes
+        try:
+            for step, micro_batches in steps.items():
+                started = clock.begin_step(engine)
+                for i, planned in enumerate(micro_batches):
+                    window: dict[str, int] = {}
+                    record = self.record(planned)
+                    self.current = (record, window)
+                    inputs = spec.dataset_batch(self.sample_list(planned), planned.padded_length, data,
+                                                backend.device())
+                    clock.enter(Phase.FORWARD)
+                    with autocast():
+                        loss = engine.model(**inputs, use_cache=False).loss
+                        if accum > 1:
+                            loss = loss / accum  # the mean over the effective batch, as accumulation loops do
+                    closed(clock, meter, Phase.FORWARD, window)
+                    clock.enter(Phase.BACKWARD)
+                    engine.backward(loss)
+                    del loss, inputs
+                    closed(clock, meter, Phase.BACKWARD, window)
+                    if i == len(micro_batches) - 1:  # the optimizer step's window counts in this micro batch
+                        clock.end_step(engine, lambda: kept_peaks(engine.step, meter, window), started)
+                    self.finish(record, window, backend, meter, Status.OK)
+            self.current = None
+            clock.finish(engine)
+        finally:
+            release()
+
+    current: tuple[dict, dict] | None = None  # the micro batch running now: its record and peak window
+
+    def ran_out(self, backend, meter) -> None:
+        """The running micro batch ran out of memory: its record `oom`, with the peaks it reached."""
+        if self.current is None:
+            return
+        record, window = self.current
+        for key, value in meter.peaks().items():
+            window[key] = max(window.get(key, 0), value)
+        self.finish(record, window, backend, meter, Status.OOM)
+        self.current = None
+
+    def finish(self, record: dict, window: dict, backend, meter, status: str) -> None:
+        record.update(peak_allocated_bytes=window.get("allocated"), peak_reserved_bytes=window.get("reserved"),
+                      num_alloc_retries=backend.final_stats(meter).get("num_alloc_retries"), status=status)
+        self.records.append(record)
+
+    def record(self, planned: StepBatch) -> dict:
+        longest = max(range(len(planned.tokens)), key=lambda i: planned.tokens[i])
+        return {"step": planned.step + 1, "micro": planned.micro, "rank": planned.rank,
+                "samples": " ".join(map(str, planned.indices)), "longest_tokens": planned.tokens[longest],
+                "padded_length": planned.padded_length, "image_tokens": sum(planned.image_tokens),
+                "images": " ".join(f"{h}x{w}" for h, w in planned.images),
+                "longest_images": [list(size) for size in self.samples[planned.indices[longest]].images]}
+
+    def sample_list(self, planned: StepBatch) -> list[tuple[list[tuple[int, int]], int]]:
+        return [(list(self.samples[i].images), tokens) for i, tokens in zip(planned.indices, planned.tokens)]
+
+    def patches(self, spec, data: DataShape, planned: StepBatch) -> int:
+        low, high = spec.pixel_bounds(data)
+        return sum(r * c for r, c in (spec.grid_at(h, w, low, high, spec.frames_in_budget) for h, w in planned.images))
+
+    def note(self) -> str | None:
+        """The row's note on the run: where it first ran out, else its worst step (the highest allocated peak)."""
+        if not self.records:
+            return None
+        out = next((r for r in self.records if r["status"] == Status.OOM), None)
+        if out is not None:
+            return f"{DATASET_NOTE}runs out at step {out['step']}: {batch_words(out)}"
+        worst = max(self.records, key=lambda r: (r["peak_allocated_bytes"] or 0, -r["step"]))
+        return (f"{DATASET_NOTE}worst step {worst['step']} of {self.records[-1]['step']}: {batch_words(worst)}, "
+                f"{worst['peak_allocated_bytes'] / 2**20:,.1f} MiB allocated")
+
+    def rows(self) -> list[dict]:
+        """The records as steps.csv rows (without point_id)."""
+        return [{k: v for k, v in r.items() if k != "longest_images"} for r in self.records]
+
+
+def closed(clock: PhaseClock, meter, phase: str, window: dict) -> None:
+    """Close `phase` on the clock, keeping its peaks in the micro batch's `window` too."""
+    meter.sync()
+    for key, value in meter.peaks().items():
+        window[key] = max(window.get(key, 0), value)
+    clock.close(phase)
+
+
+def kept_peaks(run, meter, window: dict) -> None:
+    """run(), then its window's peaks kept in the micro batch's `window` (PhaseClock closes it right after)."""
+    run()
+    meter.sync()
+    for key, value in meter.peaks().items():
+        window[key] = max(window.get(key, 0), value)
+
+
+def batch_words(record: dict) -> str:
+    """"a batch with a 3,812-token sample holding two 1,344 x 1,008 images": the batch's longest sample, in words."""
+    sizes: dict[tuple[int, int], int] = {}
+    for h, w in record["longest_images"]:
+        sizes[(h, w)] = sizes.get((h, w), 0) + 1
+    if not sizes:
+        held = "no image"
+    else:
+        parts = [f"{NUMBERS[n] if n < len(NUMBERS) else n} {h:,} x {w:,} image{'s' if n > 1 else ''}"
+                 for (h, w), n in sizes.items()]
+        held = " and ".join(parts)
+    return f"a batch with a {record['longest_tokens']:,}-token sample holding {held}"
+
+
+def append_steps_csv(out_dir: Path, point_id: str, rows: list[dict]) -> None:
+    """Append a point's step rows to out_dir/steps.csv (the header written with the first)."""
+    path = Path(out_dir) / STEPS_FILE
+    try:
+        new = not path.exists() or not path.stat().st_size
+        with path.open("a", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=STEPS_COLUMNS)
+            if new:
+                writer.writeheader()
+            writer.writerows({"point_id": point_id, **{k: row.get(k) for k in STEPS_COLUMNS[1:]}} for row in rows)
+    except OSError as exc:
+        raise WriteError(f"{path} cannot be written: {first_line(exc)}") from None
