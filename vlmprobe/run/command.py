@@ -37,9 +37,9 @@ from vlmprobe.states import Status
 
 __all__ = ["counted", "duration", "run", "say"]
 
+# what the closing line names, those that exist
 WRITTEN = ("results.csv", "results.parquet", "summary.md", "report.html", "plot.png", "timeline.png", "steps.csv",
-           "steps.png")  # what the
-# closing line names, those that exist
+           "steps.png")
 
 
 def say(line: str) -> None:
