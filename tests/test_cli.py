@@ -64,6 +64,7 @@ def test_resume_recomputes_no_finished_point(tmp_path):
     assert kept.tolist() == first["step_time_s"][:2].tolist()  # the kept rows were not recomputed
 
 
+@pytest.mark.slow  # ~15 s: two sweeps, one of them as an older version wrote it
 def test_resuming_a_dir_an_older_version_wrote_keeps_its_rows_and_adds_the_columns_it_lacked(tmp_path):
     assert run_cli(["+sweep=smoke", ESTIMATE, f"results_dir={tmp_path}"], cwd=tmp_path).returncode == 0
     out = results_dir(tmp_path)

@@ -220,6 +220,7 @@ def test_zero_points_are_skipped_saying_how_to_get_deepspeed_where_it_is_missing
     assert planned.skip == 'dist=zero3 needs DeepSpeed, not installed here: pip install -e ".[deepspeed]"'
 
 
+@pytest.mark.slow  # ~15 s a model: real gloo ranks (the host-memory hand computation below stays fast)
 @pytest.mark.parametrize("model", ["nanovlm_tiny", QWEN_SLOW])
 def test_fsdp2_cpu_offload_estimate_equals_real_gloo_ranks_to_the_byte_host_memory_included(run_dist, model):
     estimate, _ = compare_estimate_and_cpu(run_dist, model, 2, dist=("dist=fsdp2", "dist.offload_param=cpu"))

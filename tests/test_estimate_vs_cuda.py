@@ -63,7 +63,15 @@ def test_there_are_cuda_measurements_to_judge_the_estimate_by():
         "no results/gpu_check/<card>/<stamp>/nightly/<sweep>/<stamp>/results.csv of a program the code runs today"
 
 
-@pytest.mark.parametrize("run", CUDA_RUNS, ids=lambda p: f"{p.parents[3].name}/{p.parent.name}")
+def one_run_a_card_fast(runs: list) -> list:
+    """The first measured run of each card in the fast suite, the others with the slow tests (all of them also in
+    scripts/check_estimate.py --parts cuda)."""
+    first: dict = {}
+    return [run if first.setdefault(run.parents[3].name, run) is run else pytest.param(run, marks=pytest.mark.slow)
+            for run in runs]
+
+
+@pytest.mark.parametrize("run", one_run_a_card_fast(CUDA_RUNS), ids=lambda p: f"{p.parents[3].name}/{p.parent.name}")
 def test_the_estimate_for_the_card_is_within_half_a_percent_of_every_measured_peak(run, tmp_path):
     if note := superseded(run):
         pytest.skip(note.split(". ")[0])

@@ -28,7 +28,7 @@ def test_isolated_worker_returns_the_same_row_as_an_in_process_run(point):
     assert {k: isolated[k] for k in figures} == {k: in_process[k] for k in figures}
 
 
-@pytest.mark.parametrize("forks", [True, False], ids=["forked", "fresh interpreter"])
+@pytest.mark.parametrize("forks", [pytest.param(True, marks=pytest.mark.slow), False], ids=["forked", "fresh interpreter"])
 def test_a_serving_worker_measures_points_one_after_another_and_fails_each_as_a_fresh_worker_would(point, faulty_env,
                                                                                                    forks, monkeypatch):
     # launcher=pool's long-lived worker (a fork of this process on Linux, a fresh interpreter elsewhere): the same
