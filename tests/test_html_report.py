@@ -89,7 +89,10 @@ def test_every_results_dir_gets_report_html_with_ranks_and_timeline_where_they_e
     timeline = {ROWS[0]["point_id"]: {"samples": [[0.0, GiB, 2 * GiB], [1.0, 3 * GiB, 4 * GiB], [2.0, 2 * GiB, 4 * GiB]],
                                       "phases": [{"name": "forward", "start": 0.0, "end": 1.0}, ["backward", 1.0, 2.0]]},
                 "broken": {"samples": "no"}}
-    (tmp_path / "timeline.json").write_text(json.dumps(timeline))
+    first = {"point_id": ROWS[0]["point_id"], "unit": "allocations", "allocations": 2, "width": 1, "x": [0, 1, 2],
+             "allocated": [GiB, 3 * GiB, 2 * GiB], "reserved": [2 * GiB, 4 * GiB, 4 * GiB],
+             "phases": [["forward", 0, 1], ["backward", 1, 2]]}  # as the allocator model's Timeline.data writes it
+    (tmp_path / "timeline.jsonl").write_text(json.dumps(first) + "\n")
     table, failures = write_reports(tmp_path, AXES, {"torch": "2.13.0"})
     assert failures == []
     text = (tmp_path / "report.html").read_text()
@@ -101,7 +104,7 @@ def test_every_results_dir_gets_report_html_with_ranks_and_timeline_where_they_e
     assert [p.text for p in drawn.findall(f".//{SVG}rect[@class='phase']/{SVG}title")] == ["forward", "backward"]
     assert len(drawn.findall(f".//{SVG}polyline[@class='timeline']")) == 2  # allocated and reserved
     assert timeline_svg("broken", timeline["broken"]) is None and timeline_svg("x", "not a mapping") is None
-    (tmp_path / "timeline.json").unlink()
+    (tmp_path / "timeline.jsonl").unlink()
     write_reports(tmp_path, AXES, {})
     assert "memory over the step" not in (tmp_path / "report.html").read_text()
     kept = {"point_id": ROWS[1]["point_id"], "unit": "allocations", "allocations": 9, "width": 4, "x": [0, 4],

@@ -17,14 +17,13 @@ SVG text follows the SVG 1.1 spec; the browser-side parts use only DOM APIs ever
 from __future__ import annotations
 
 import html
-import json
 import math
 from pathlib import Path
 
 import pandas as pd
 
 from vlmprobe.results.answer import breakdown, card_name, records, shown
-from vlmprobe.results.table import axis_column, replacing
+from vlmprobe.results.table import axis_column, read_timelines, replacing
 from vlmprobe.sizes import GiB, MiB
 from vlmprobe.states import Status
 
@@ -305,7 +304,7 @@ def breakdown_svg(rows: list[dict], labels: list[str] | None = None,
 
 
 def timeline_svg(point_id: str, entry: dict) -> str | None:
-    """Allocated and reserved over one point's step from timeline.json's entry for it ({"samples": [[t,
+    """Allocated and reserved over one point's step from its load_timelines entry ({"samples": [[t,
     allocated, reserved], ...], "phases": [...]}), phases as shaded bands with their names; None where the entry
     has no usable samples. A phase is {"name", "start", "end"} or [name, start, end]; others are skipped."""
     if not isinstance(entry, dict):
@@ -371,28 +370,9 @@ def timeline_svg(point_id: str, entry: dict) -> str | None:
 
 
 def load_timelines(out_dir: Path) -> dict | None:
-    """Each point's timeline in a results dir, {point_id: {"samples": [[t, allocated, reserved], ...], "phases":
-    [...]}}: from timeline.json (that mapping), and from timeline.jsonl (a JSON line a point, as the estimate's
-    allocator model keeps it: `x`, `allocated`, `reserved`, `phases` [name, first, end or None], `allocations`);
-    None where neither is there. A line or file that is not such JSON is skipped."""
-    out: dict = {}
-    path = Path(out_dir) / "timeline.json"
-    if path.is_file():
-        try:
-            data = json.loads(path.read_text())
-        except (OSError, ValueError):
-            data = None
-        out.update(data if isinstance(data, dict) else {})
-    lines = Path(out_dir) / "timeline.jsonl"
-    if lines.is_file():
-        for line in lines.read_text(errors="replace").splitlines():
-            try:
-                record = json.loads(line)
-            except ValueError:
-                continue
-            if isinstance(record, dict) and "point_id" in record:
-                out[str(record["point_id"])] = as_samples(record)
-    return out or None
+    """Each point's timeline in a results dir as timeline_svg takes it (as_samples), from timeline.jsonl as
+    vlmprobe.results.table.read_timelines reads it; None where there is none."""
+    return {str(point): as_samples(record) for point, record in read_timelines(out_dir).items()} or None
 
 
 def as_samples(record: dict) -> dict:

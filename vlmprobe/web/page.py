@@ -4,7 +4,7 @@ from elsewhere), and the answer as an HTML fragment the page's script puts in pl
 The answer is what the terminal prints (the table and a verdict per point, or the advisor's ranking), the
 verdicts set apart, the advisor's table (advise.csv, GiB = 2^30 B), and pictures drawn by
 vlmprobe.results.html_report: the breakdown of each point's peak against the card's capacity, and memory over
-the step where the results dir has timeline.json. Every piece of text is escaped (Jinja2's autoescape; html.escape
+the step where the results dir has timeline.jsonl. Every piece of text is escaped (Jinja2's autoescape; html.escape
 in the fragment). Known limits: the page's script needs a browser with fetch and the History API (every current one).
 """
 
