@@ -8,10 +8,19 @@ from decimal import Decimal
 
 from vlmprobe.errors import ConfigError
 
-__all__ = ["BYTE_UNITS", "GiB", "margin_bytes", "MiB", "parse_bytes", "segment_bytes_in_message"]
+__all__ = ["BYTE_UNITS", "GiB", "in_words", "margin_bytes", "MiB", "parse_bytes", "segment_bytes_in_message"]
 
 BYTE_UNITS = {"B": 1, "bytes": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40}  # 1024-based, as CUDA prints
 MiB, GiB = BYTE_UNITS["MiB"], BYTE_UNITS["GiB"]
+
+def in_words(nbytes: int) -> str:
+    """A size as a person reads it, 1024-based: GiB (2 decimals) from 1 GiB, MiB (1 decimal) from 1 MiB, KiB below;
+    a tiny model's figures are not 0.00 GiB."""
+    for unit, scale, digits in (("GiB", GiB, 2), ("MiB", MiB, 1)):
+        if abs(nbytes) >= scale:
+            return f"{nbytes / scale:.{digits}f} {unit}"
+    return f"{nbytes / 2**10:.1f} KiB"
+
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(B|bytes|KiB|MiB|GiB|TiB)?\s*$")
 ALLOWED = "give bytes or a size like 24GiB (a number, then B, KiB, MiB, GiB or TiB)"

@@ -39,6 +39,7 @@ from vlmprobe.estimate.allocator import CachingAllocatorModel
 from vlmprobe.estimate.cuda_rules import embedding_backward, kernel_copies, reduction_staging
 from vlmprobe.estimate.cuda_rules.gradient_sums import first_summand
 from vlmprobe.gpu.alloc_conf import AllocatorSettings
+from vlmprobe.sizes import in_words
 
 __all__ = ["aliases_inputs", "AllocationLog", "Attribution", "collapsed_names", "filled_text", "KINDS", "TRAINING_STATE",
            "LiveBytesTracker", "PLACEMENT"]
@@ -571,16 +572,8 @@ def dtype_name(dtype) -> str | None:
 
 def filled_text(groups) -> str:
     """Attribution.filled's groups as the row's oom_filled: "fp32 activations of lm_head 4.64 GiB; ..."."""
-    return "; ".join(f"{dtype + ' ' if dtype else ''}{kind}{' of ' + module if module else ''} {_size(size)}"
+    return "; ".join(f"{dtype + ' ' if dtype else ''}{kind}{' of ' + module if module else ''} {in_words(size)}"
                      for module, kind, dtype, size in groups)
-
-
-def _size(nbytes: int) -> str:
-    """GiB from 1 GiB, MiB from 1 MiB, KiB below (1024-based)."""
-    for unit, scale in (("GiB", 2**30), ("MiB", 2**20)):
-        if nbytes >= scale:
-            return f"{nbytes / scale:.2f} {unit}" if unit == "GiB" else f"{nbytes / scale:.1f} {unit}"
-    return f"{nbytes / 2**10:.1f} KiB"
 
 
 def _tensors_in(output) -> list[torch.Tensor]:

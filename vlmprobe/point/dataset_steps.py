@@ -31,6 +31,7 @@ from vlmprobe.errors import ConfigError, WriteError, first_line
 from vlmprobe.models.base import DataShape
 from vlmprobe.models.fake_constants import hold_constant_limit
 from vlmprobe.results.answer import DATASET_NOTE
+from vlmprobe.sizes import in_words
 from vlmprobe.states import Phase, Status
 from vlmprobe.steps.common import PhaseClock, StepReport
 
@@ -158,7 +159,7 @@ class DatasetRun:
             return f"{DATASET_NOTE}runs out at step {out['step']}: {batch_words(out)}"
         worst = max(self.records, key=lambda r: (r["peak_allocated_bytes"] or 0, -r["step"]))
         return (f"{DATASET_NOTE}worst step {worst['step']} of {self.records[-1]['step']}: {batch_words(worst)}, "
-                f"{worst['peak_allocated_bytes'] / 2**20:,.1f} MiB allocated")
+                f"{in_words(worst['peak_allocated_bytes'])} allocated")
 
     def rows(self) -> list[dict]:
         """The records as steps.csv rows (without point_id)."""

@@ -18,7 +18,7 @@ import math
 import pandas as pd
 
 from vlmprobe.gpu import device_profile
-from vlmprobe.sizes import GiB
+from vlmprobe.sizes import GiB, in_words
 from vlmprobe.states import Status
 
 __all__ = ["DATASET_NOTE", "OUTPUTS", "answer_lines", "dataset_note", "breakdown", "card_name", "gib", "json_lines", "records", "shown", "verdict"]
@@ -33,10 +33,8 @@ def gib(value) -> str:
 
 
 def size(value) -> str:
-    """A size in words: GiB from 1 GiB, MiB below (a tiny model's figures are not 0.00 GiB)."""
-    if value is None:
-        return "-"
-    return f"{value / GiB:.2f} GiB" if abs(value) >= GiB else f"{value / 2**20:.1f} MiB"
+    """A size in words (sizes.in_words); "-" where it is missing."""
+    return "-" if value is None else in_words(value)
 
 
 def figure(row: dict, key: str) -> int | None:
