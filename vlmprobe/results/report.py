@@ -406,7 +406,7 @@ def timeline_plot(table: pd.DataFrame, timelines: dict[str, dict], path: Path) -
     for ax, point_id in zip(axes[:, 0], chosen):
         data, row = timelines[point_id], rows[point_id]
         top = max(max(data["reserved"]), max(data["allocated"]))
-        unit, scale = ("GiB", GiB) if top >= GiB else ("MiB", 2**20)
+        unit, scale = panel_unit(top)
         end = data["allocations"]
         shaded = set()
         for name, first, last in data["phases"]:
@@ -418,28 +418,10 @@ def timeline_plot(table: pd.DataFrame, timelines: dict[str, dict], path: Path) -
         for key, colour in (("reserved", "C0"), ("allocated", "k")):
             values = [v / scale for v in data[key]]
             ax.step(x, [*values, values[-1]], where="post", color=colour, lw=1, label=key)
-        title = f"{point_id}: {row['status']}"
-        capacity = row.get("imposed_capacity_bytes")
-        if capacity is not None and not pd.isna(capacity):
-            name = card_name(row)
-            if capacity <= 2 * top:
-                ax.axhline(capacity / scale, color="red", linestyle=":", label=f"{name or 'capacity'}: "
-                           f"{capacity / scale:,.2f} {unit}")
-            else:
-                title += f" (capacity {capacity / GiB:,.2f} GiB{' of the ' + name if name else ''}, off the scale)"
-        ax.set_title(title, fontsize=9)
         ax.set_xlim(0, max(end, 1))
-        ax.set_ylim(0, top / scale * 1.3)  # room for the legend above the curves
-        ax.set_ylabel(f"{unit} (1024-based)")
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=7, loc="upper left", ncol=4)
-    axes[-1, 0].set_xlabel("allocations so far (each sample the highest of its bucket of allocations)")
-    backends = ", ".join(BACKEND_TITLES.get(b, b) for b in sorted(table["backend"].dropna().unique()))
-    fig.suptitle(f"{table['sweep'].iloc[0]}: allocated and reserved over a point's run, {backends}", fontsize=10)
-    fig.tight_layout()
-    with replacing(path) as partial:
-        fig.savefig(partial, dpi=110)
-    plt.close(fig)
+        finish_panel(ax, row, f"{point_id}: {row['status']}", top, scale, unit)
+    save_panels(plt, fig, axes, table, "allocations so far (each sample the highest of its bucket of allocations)",
+                "allocated and reserved over a point's run", path)
 
 
 def steps_plot(table: pd.DataFrame, steps: pd.DataFrame, path: Path) -> None:
@@ -458,27 +440,47 @@ def steps_plot(table: pd.DataFrame, steps: pd.DataFrame, path: Path) -> None:
                                             reserved=("peak_reserved_bytes", "max"),
                                             oom=("status", lambda s: (s == Status.OOM).any()))
         row = rows[point_id]
-        capacity = row.get("imposed_capacity_bytes")
-        capacity = None if capacity is None or pd.isna(capacity) else float(capacity)
-        top = max(per_step["reserved"].max(), per_step["allocated"].max(), capacity or 0)
-        unit, scale = ("GiB", GiB) if top >= GiB else ("MiB", 2**20)
+        top = max(per_step["reserved"].max(), per_step["allocated"].max())
+        unit, scale = panel_unit(top)
         ax.plot(per_step.index, per_step["reserved"] / scale, marker="o", color="C0", lw=1, label="peak reserved")
         ax.plot(per_step.index, per_step["allocated"] / scale, marker="o", color="k", lw=1, label="peak allocated")
         for step in per_step.index[per_step["oom"]]:
             ax.axvline(step, color="C3", lw=1, alpha=0.6, label=f"out of memory (step {step})")
-        if capacity is not None:
-            name = card_name(row)
+        ax.set_xticks(list(per_step.index))
+        finish_panel(ax, row, f"{point_id}: {row['status']}", top, scale, unit)
+    save_panels(plt, fig, axes, table, "optimizer step (each point the highest of its micro batches)",
+                "a dataset's steps", path)
+
+
+def panel_unit(top: float) -> tuple[str, int]:
+    """A memory panel's unit: GiB from 1 GiB, MiB below."""
+    return ("GiB", GiB) if top >= GiB else ("MiB", 2**20)
+
+
+def finish_panel(ax, row: dict, title: str, top: float, scale: int, unit: str) -> None:
+    """A memory panel's capacity (the row's imposed_capacity_bytes: a line where it is within twice the panel's
+    top, else said in the title), title, scale with room for the legend, labels and grid."""
+    capacity = row.get("imposed_capacity_bytes")
+    if capacity is not None and not pd.isna(capacity):
+        name = card_name(row)
+        if capacity <= 2 * top:
             ax.axhline(capacity / scale, color="red", linestyle=":", label=f"{name or 'capacity'}: "
                        f"{capacity / scale:,.2f} {unit}")
-        ax.set_title(f"{point_id}: {row['status']}", fontsize=9)
-        ax.set_ylim(0, top / scale * 1.3)
-        ax.set_ylabel(f"{unit} (1024-based)")
-        ax.set_xticks(list(per_step.index))
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=7, loc="upper left", ncol=4)
-    axes[-1, 0].set_xlabel("optimizer step (each point the highest of its micro batches)")
+            top = max(top, capacity)
+        else:
+            title += f" (capacity {capacity / GiB:,.2f} GiB{' of the ' + name if name else ''}, off the scale)"
+    ax.set_title(title, fontsize=9)
+    ax.set_ylim(0, top / scale * 1.3)  # room for the legend above the curves
+    ax.set_ylabel(f"{unit} (1024-based)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7, loc="upper left", ncol=4)
+
+
+def save_panels(plt, fig, axes, table: pd.DataFrame, xlabel: str, what: str, path: Path) -> None:
+    """The panels' x label and the figure's title (the sweep, `what`, the backends), written to `path`."""
+    axes[-1, 0].set_xlabel(xlabel)
     backends = ", ".join(BACKEND_TITLES.get(b, b) for b in sorted(table["backend"].dropna().unique()))
-    fig.suptitle(f"{table['sweep'].iloc[0]}: a dataset's steps, {backends}", fontsize=10)
+    fig.suptitle(f"{table['sweep'].iloc[0]}: {what}, {backends}", fontsize=10)
     fig.tight_layout()
     with replacing(path) as partial:
         fig.savefig(partial, dpi=110)
