@@ -114,6 +114,8 @@ DESCRIPTIONS = {
     "oom_filled": "`oom` rows, estimate / cpu: the five largest groups of live memory when it ran out, by module, kind "
                   "and dtype, e.g. `bf16 activations of model.language_model.layers.*.mlp.act_fn 3.42 GiB; ...` "
                   "(empty on cuda)",
+    "dataset_steps": "`data.source` points: where the dataset's steps first ran out (`runs out at step 3: a batch with "
+                     "...`), else the worst step and its batch (steps.csv has every step)",
     "imposed_capacity_bytes": "the device capacity the point ran against, where one was imposed",
     "allocator_backend": "cuda: `native` or `cudaMallocAsync`, as the worker's allocator ran",
     "step_time_s": "wall time of the last step (estimate: fake-tensor time, not a GPU time)",

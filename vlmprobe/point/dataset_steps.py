@@ -30,7 +30,6 @@ from vlmprobe.dataset import StepBatch, plan_batches, read_samples, sample_notes
 from vlmprobe.errors import ConfigError, WriteError, first_line
 from vlmprobe.models.base import DataShape
 from vlmprobe.models.fake_constants import hold_constant_limit
-from vlmprobe.results.answer import DATASET_NOTE
 from vlmprobe.sizes import in_words
 from vlmprobe.states import Phase, Status
 from vlmprobe.steps.common import PhaseClock, StepReport
@@ -151,14 +150,14 @@ class DatasetRun:
         return sum(r * c for r, c in (spec.grid_at(h, w, low, high, spec.frames_in_budget) for h, w in planned.images))
 
     def note(self) -> str | None:
-        """The row's note on the run: where it first ran out, else its worst step (the highest allocated peak)."""
+        """The row's dataset_steps: where it first ran out, else its worst step (the highest allocated peak)."""
         if not self.records:
             return None
         out = next((r for r in self.records if r["status"] == Status.OOM), None)
         if out is not None:
-            return f"{DATASET_NOTE}runs out at step {out['step']}: {batch_words(out)}"
+            return f"runs out at step {out['step']}: {batch_words(out)}"
         worst = max(self.records, key=lambda r: (r["peak_allocated_bytes"] or 0, -r["step"]))
-        return (f"{DATASET_NOTE}worst step {worst['step']} of {self.records[-1]['step']}: {batch_words(worst)}, "
+        return (f"worst step {worst['step']} of {self.records[-1]['step']}: {batch_words(worst)}, "
                 f"{in_words(worst['peak_allocated_bytes'])} allocated")
 
     def rows(self) -> list[dict]:

@@ -99,7 +99,8 @@ def measure_once(point: dict, replay_blocks: bool) -> dict:
             held = held_when_out(loaded)
         if dataset is not None:  # its records (steps.csv, vlmprobe.run.sweep) and the row's notes on them
             out["steps"] = dataset.rows()
-            meter.notes.extend([*dataset.notes, *filter(None, [dataset.note()])])
+            meter.notes.extend(dataset.notes)
+            out["dataset_steps"] = dataset.note()
         read_figures(backend, meter, point, card, report, out)
         out.update(held)
     return out

@@ -7,7 +7,7 @@ The breakdown is what the row measured: weights, gradients and optimizer state a
 the rest of the peak (activations, the loss, workspaces) as the difference. Sizes in GiB (2^30 B). An out-of-memory
 verdict names the largest one or two groups of what was live when it ran out, where the row has them (oom_filled:
 estimate and cpu). A point that ran a dataset's steps (data.source) says where it first ran out, or its worst step,
-from its note (DATASET_NOTE, vlmprobe.point.dataset_steps).
+from its dataset_steps column (vlmprobe.point.dataset_steps).
 """
 
 from __future__ import annotations
@@ -21,10 +21,9 @@ from vlmprobe.gpu import device_profile
 from vlmprobe.sizes import GiB, in_words
 from vlmprobe.states import Status
 
-__all__ = ["DATASET_NOTE", "OUTPUTS", "answer_lines", "dataset_note", "breakdown", "card_name", "gib", "json_lines", "records", "shown", "verdict"]
+__all__ = ["OUTPUTS", "answer_lines", "breakdown", "card_name", "gib", "json_lines", "records", "shown", "verdict"]
 
 OUTPUTS = ("text", "json")  # the top-level `output=`: the table and verdicts, or the rows as JSON lines
-DATASET_NOTE = "dataset steps: "  # a row's note on its dataset's steps (vlmprobe.point.dataset_steps) begins so
 
 
 def gib(value) -> str:
@@ -62,21 +61,12 @@ def shown(row: dict) -> int | None:
     return None
 
 
-def dataset_note(row: dict) -> str | None:
-    """What the row's note says of its dataset's steps ("runs out at step 4: a batch with ..." or "worst step ..."),
-    or None for a point without a data.source."""
-    notes = row.get("notes")
-    if not isinstance(notes, str):
-        return None
-    return next((n[len(DATASET_NOTE):] for n in notes.split("; ") if n.startswith(DATASET_NOTE)), None)
-
-
 def verdict(row: dict) -> str:
     """One line in words: fits (with the room left), does not fit (where, and by how much), or what it needs; for
     a dataset's steps, where it first ran out or its worst step."""
     line = single_verdict(row)
-    steps = dataset_note(row)
-    if steps is None:
+    steps = row.get("dataset_steps")
+    if not isinstance(steps, str) or not steps:
         return line
     if row["status"] == Status.OOM:
         head, _, tail = line.partition(": ran out")

@@ -64,6 +64,7 @@ OUTPUT_COLUMNS = [
     "oom_block_bytes",  # oom rows: the block the allocator was asked for (the tensor's bytes rounded up to 512)
     "oom_segment_bytes",  # oom rows: the segment it tried to reserve for it (the size CUDA's message prints)
     "oom_filled",  # oom rows (estimate, cpu): the largest live groups by module, kind and dtype when it ran out
+    "dataset_steps",  # data.source points: where the dataset's steps first ran out, else the worst step and its batch
     "imposed_capacity_bytes",  # the device capacity the point ran against, where one was imposed (else the card's)
     "allocator_backend",  # cuda: native | cudaMallocAsync, as the worker's allocator really ran
     "step_time_s", "snapshot_file", "notes", "error",
