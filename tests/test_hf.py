@@ -142,7 +142,7 @@ def test_model_fetch_downloads_only_the_json_configs_of_an_uncached_hub_id(spec,
         (tmp_path / filename).write_text((source / filename).read_text())
         return str(tmp_path / filename)
 
-    monkeypatch.setattr(hf, "try_to_load_from_cache", lambda repo, filename: None)
+    monkeypatch.setattr(hf, "try_to_load_from_cache", lambda repo, filename, cache_dir=None: None)
     monkeypatch.setattr(hf, "hf_hub_download", download)
     model = spec("model=hf", "model.config=Qwen/Qwen2.5-VL-7B-Instruct", "model.fetch=true")
     assert count_params(model.build("meta", torch.bfloat16, init=False))[0] == 8_292_166_656  # its config's hand count

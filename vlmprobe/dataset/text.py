@@ -16,11 +16,11 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-from huggingface_hub import try_to_load_from_cache
 from tokenizers import Tokenizer
 
 from vlmprobe.errors import ConfigError
 from vlmprobe.hub import HUB_NAME
+from vlmprobe.models.hf import cached_hub_file
 
 __all__ = ["CHARS_PER_TOKEN", "ESTIMATE", "PLACEHOLDERS", "TextCounter"]
 
@@ -48,9 +48,9 @@ class TextCounter:
         if path.is_file():
             self.tokenizer, self.source = Tokenizer.from_file(str(path)), f"tokenizer {path}"
         elif HUB_NAME.match(str(tokenizer)):
-            cached = try_to_load_from_cache(str(tokenizer), "tokenizer.json", cache_dir=cache_dir)
-            if isinstance(cached, str):
-                self.tokenizer, self.source = Tokenizer.from_file(cached), f"tokenizer {tokenizer} (local cache)"
+            cached = cached_hub_file(str(tokenizer), "tokenizer.json", cache_dir)
+            if cached is not None:
+                self.tokenizer, self.source = Tokenizer.from_file(str(cached)), f"tokenizer {tokenizer} (local cache)"
             else:
                 self.source = f"{ESTIMATE} ({tokenizer}'s tokenizer.json is not in the local Hugging Face cache)"
         else:

@@ -20,7 +20,7 @@ from vlmprobe.errors import ConfigError, first_line
 from vlmprobe.hub import HUB_NAME
 from vlmprobe.models.base import ModelSpec
 
-__all__ = ["FAMILIES", "family"]
+__all__ = ["FAMILIES", "cached_hub_file", "family"]
 
 
 # model_type -> the family's spec class, named as conf/model/*.yaml name it (`_target_`): each family's module
@@ -117,9 +117,10 @@ def fetched_hub_config(repo: str) -> Path:
     return path
 
 
-def cached_hub_file(repo: str, filename: str) -> Path | None:
-    """`filename` of hub model `repo` from the local Hugging Face cache, without any network access."""
-    found = try_to_load_from_cache(repo, filename)
+def cached_hub_file(repo: str, filename: str, cache_dir: str | Path | None = None) -> Path | None:
+    """`filename` of hub model `repo` from the local Hugging Face cache (or `cache_dir`), without any network
+    access."""
+    found = try_to_load_from_cache(repo, filename, cache_dir=cache_dir)
     return Path(found) if isinstance(found, str) else None  # None, or a marker that the file does not exist
 
 
