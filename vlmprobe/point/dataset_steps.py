@@ -47,7 +47,10 @@ NUMBERS = ("no", "one", "two", "three", "four", "five", "six", "seven", "eight",
 def plan(point: dict, spec, data: DataShape) -> tuple[list, list[StepBatch]]:
     """(samples, the planned micro batches of one rank) of the point's data.source. Image tokens follow the point's
     pixel bounds (data.min_pixels / max_pixels, else the model's), as its batches are built."""
-    samples = read_samples(data.source, image_dir=data.image_dir)
+    try:
+        samples = read_samples(data.source, image_dir=data.image_dir)
+    except ConfigError as exc:  # the library's line names the dataset; the command's names its key too
+        raise ConfigError(f"data.source={data.source}: {exc}") from None
     bounded = copy.copy(spec)  # the plan's image tokens within the point's bounds, as dataset_batch resizes
     bounded.min_pixels, bounded.max_pixels = spec.pixel_bounds(data)
     accum = point["train"]["grad_accum_steps"]
