@@ -10,6 +10,7 @@ import pandas as pd
 import pytest
 
 from vlmprobe.errors import ConfigError
+from vlmprobe.point.dataset_steps import append_steps_csv
 from vlmprobe.point.measure import measure
 from vlmprobe.results.answer import verdict
 
@@ -33,19 +34,25 @@ def shapes(tmp_path):
     return path
 
 
-RUNS: dict = {}  # the unbounded run on both backends, made once for the tests that read it
+RUNS: dict = {}  # the unbounded run of each family on both backends, made once for the tests that read it
+
+
+def both_backends(point, shapes, *extra) -> dict:
+    key = extra
+    if key not in RUNS:
+        RUNS[key] = {b: measure(point([*BASE, f"data.source={shapes}", f"measure.backend={b}", *extra]))
+                     for b in ("estimate", "cpu")}
+    return RUNS[key]
 
 
 @pytest.fixture
 def runs(point, shapes):
-    if not RUNS:
-        RUNS.update({b: measure(point([*BASE, f"data.source={shapes}", f"measure.backend={b}"]))
-                     for b in ("estimate", "cpu")})
-    return shapes, RUNS
+    return shapes, both_backends(point, shapes)
 
 
-def test_the_estimate_equals_the_cpu_backend_step_by_step_to_the_byte(runs):
-    _, rows = runs
+@pytest.mark.parametrize("family", [[], ["model=llava_tiny"]], ids=["qwen2_vl", "llava"])
+def test_the_estimate_equals_the_cpu_backend_step_by_step_to_the_byte(point, shapes, family):
+    rows = both_backends(point, shapes, *family)
     estimate, cpu = rows["estimate"], rows["cpu"]
     assert estimate["status"] == cpu["status"] == "ok"
     assert [r["step"] for r in estimate["steps"]] == [1, 2, 3]
@@ -58,10 +65,11 @@ def test_the_estimate_equals_the_cpu_backend_step_by_step_to_the_byte(runs):
 def test_the_longer_batchs_step_has_the_higher_allocated_peak(runs):
     _, rows = runs
     steps = rows["estimate"]["steps"]
-    # by hand (smart_resize to multiples of 28 px, one token per 28 x 28 px): step 1: 20 + 16 (112 x 112) and 30 + 6
-    # (56 x 84) = 36; step 2: 80 + 48 (224 x 168) = 128 beside 60 + 20 + 1 = 81; step 3: 150 + 2 x 96 = 342 beside 40
+    # by hand (smart_resize to multiples of 28 px, one token per 28 x 28 px, vision_start / end around each image):
+    # step 1: 20 + 16 (112 x 112) + 2 and 30 + 6 (56 x 84) + 2 = 38; step 2: 80 + 48 (224 x 168) + 2 = 130 beside
+    # 60 + 20 + 1 + 4 = 85; step 3: 150 + 2 x 96 + 4 = 346 beside 40
     lengths = [s["padded_length"] for s in steps]
-    assert lengths == [36, 128, 342]
+    assert lengths == [38, 130, 346]
     peaks = [s["peak_allocated_bytes"] for s in steps]
     assert peaks[0] < peaks[1] < peaks[2]
     assert rows["estimate"]["peak_allocated_bytes"] == max(peaks)  # the row's peak is the run's
@@ -81,7 +89,7 @@ def test_a_capacity_the_third_batch_exceeds_ends_the_run_at_step_3_with_that_bat
     assert [(r["step"], r["status"]) for r in row["steps"]] == [(1, "ok"), (2, "ok"), (3, "oom")]
     assert row["steps"][:2] == steps[:2]  # the steps before it ran as they did without the capacity
     line = verdict({**row, "point_id": "p", "device": None})
-    assert "runs out at step 3: a batch with a 342-token sample holding two 336 x 224 images" in line
+    assert "runs out at step 3: a batch with a 346-token sample holding two 336 x 224 images" in line
 
 
 def test_a_sweep_writes_steps_csv_and_steps_png(cli, shapes, tmp_path):
@@ -114,3 +122,12 @@ def test_each_unsupported_setting_is_one_line(point, shapes, extra, words):
 def test_dist_other_than_none_is_refused_in_one_line(point, shapes):
     with pytest.raises(ConfigError, match="dist=fsdp2 is not allowed with data.source: .* use dist=none"):
         point([*BASE, f"data.source={shapes}", "measure.backend=estimate", "dist=fsdp2", "dist.world_size=2"])
+
+
+def test_a_point_run_again_on_resume_leaves_its_steps_once(tmp_path):
+    first = [{"step": 1, "status": "ok"}, {"step": 2, "status": "oom"}]
+    append_steps_csv(tmp_path, "a", first)
+    append_steps_csv(tmp_path, "b", [{"step": 1, "status": "ok"}])
+    append_steps_csv(tmp_path, "a", [{"step": 1, "status": "ok"}, {"step": 2, "status": "ok"}])  # "a" again
+    table = pd.read_csv(tmp_path / "steps.csv")
+    assert table[["point_id", "step", "status"]].values.tolist() == [["b", 1, "ok"], ["a", 1, "ok"], ["a", 2, "ok"]]

@@ -27,7 +27,7 @@ DTYPE_NAMES = ("float32", "bfloat16", "float16")
 RECORD_HISTORY = ("off", "alloc", "all")
 STEPS = ("sft", "grpo", "dpo")
 # the families whose dataset batches are built (ModelSpec.dataset_batch), by their transformers config class
-DATASET_FAMILIES = {"Qwen2VLConfig": "Qwen2-VL", "Qwen2_5_VLConfig": "Qwen2.5-VL"}
+DATASET_FAMILIES = {"Qwen2VLConfig": "Qwen2-VL", "Qwen2_5_VLConfig": "Qwen2.5-VL", "LlavaConfig": "LLaVA 1.5"}
 
 
 def check_top_level(base: dict) -> None:
@@ -130,7 +130,8 @@ def check_source(cfg: dict, data, spec) -> None:
     an empty dataset is one line before anything is built)."""
     if data.source is None:
         return
-    supported = "Qwen2-VL / Qwen2.5-VL (qwen2_vl_*, qwen2_5_vl_*, hf), dist=none, step=sft, data.packing=false"
+    supported = ("Qwen2-VL / Qwen2.5-VL / LLaVA 1.5 (qwen2_vl_*, qwen2_5_vl_*, llava_1_5_7b, llava_tiny, hf), "
+                 "dist=none, step=sft, data.packing=false")
     family = getattr(spec, "config_class", None)
     if family not in DATASET_FAMILIES or not callable(getattr(spec, "dataset_batch", None)):
         raise ConfigError(f"model={cfg['model'].get('name', '?')} is not allowed with data.source: a dataset's "

@@ -17,9 +17,10 @@ Rules, read from transformers 5.25 (trainer.py _get_train_sampler, _get_dataload
   completed from the epoch's first samples (or dropped with drop_last). One rank: the batches as they are.
 - steps: grad_accum consecutive micro batches of a rank make an optimizer step; an epoch's last step takes what is
   left (the Trainer's remainder). Epochs follow each other until `steps` steps are planned.
-A sample's LM tokens are its text tokens plus its images' and videos' tokens (vlmprobe/dataset/image_tokens.py);
-beyond max_length it is cut to max_length (the trainer's truncation) and counted as truncated. A micro batch is
-padded to its longest sample, rounded up to pad_to_multiple_of (DataCollatorWithPadding's rule).
+A sample's LM tokens are its text tokens plus its images' and videos' tokens (vlmprobe/dataset/image_tokens.py) and
+the markers around each (ModelSpec.image_markers); beyond max_length it is cut to max_length (the trainer's
+truncation) and counted as truncated. A micro batch is padded to its longest sample, rounded up to
+pad_to_multiple_of (DataCollatorWithPadding's rule).
 """
 
 from __future__ import annotations
@@ -55,12 +56,14 @@ class StepBatch:
 
 
 def lm_tokens(samples: list[Sample], spec) -> list[tuple[int, int]]:
-    """(LM tokens, of which image and video tokens) of each sample for the family of `spec`, before truncation."""
+    """(LM tokens, of which image and video tokens) of each sample for the family of `spec`, before truncation:
+    text, image and video tokens and the markers the processor writes around each image and video."""
     counted = []
     for sample in samples:
         vision = sum(image_tokens(spec, h, w, images_in_sample=len(sample.images)) for h, w in sample.images)
         vision += sum(video_tokens(spec, f, h, w) for f, h, w in sample.videos)
-        counted.append((sample.text_tokens + vision, vision))
+        markers = getattr(spec, "image_markers", 0) * (len(sample.images) + len(sample.videos))
+        counted.append((sample.text_tokens + vision + markers, vision))
     return counted
 
 

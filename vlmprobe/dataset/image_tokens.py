@@ -5,8 +5,8 @@ images taken to both sides, read from transformers 5.25's processors); these fun
 Families with a rule: Qwen2-VL / Qwen2.5-VL / Qwen3-VL / GLM-4.1V (smart_resize), LLaVA 1.5 and Pixtral, LLaVA-NeXT
 and LLaVA-OneVision (anyres), Mistral 3, SmolVLM / Idefics3, InternVL, DeepSeek-VL2, PaliGemma, Gemma 3, nanoVLM,
 Llama 3.2 Vision; videos: Qwen2-VL and Qwen2.5-VL. Anything else (a family without a rule, or an object that is no
-ModelSpec) is refused by name. Limits: the markers a processor writes around an image (vision_start / end, tile
-markers) are not counted (a few tokens per image or tile).
+ModelSpec) is refused by name. The markers a processor writes around an image (vision_start / end) are the spec's
+image_markers, counted by the plan (batches.lm_tokens), not here.
 """
 
 from __future__ import annotations

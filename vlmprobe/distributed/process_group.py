@@ -14,7 +14,7 @@ import contextlib
 
 import torch.distributed as dist
 
-__all__ = ["fake_group", "fake_group_active", "mesh", "real_group"]
+__all__ = ["fake_group", "fake_group_active", "mesh", "rank", "real_group"]
 
 COLLECTIVES = {"cpu": "gloo", "cuda": "nccl"}
 _mesh = None
@@ -38,6 +38,11 @@ def _with_mesh(device_type: str):
     finally:
         _mesh = None
         dist.destroy_process_group()
+
+
+def rank() -> int:
+    """This process's rank in its group (fake or real); 0 outside one."""
+    return dist.get_rank() if dist.is_initialized() else 0
 
 
 def fake_group_active() -> bool:

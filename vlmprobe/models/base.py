@@ -118,6 +118,9 @@ class ModelSpec(abc.ABC):
                 importlib.import_module(module)
 
     native_image_size: int  # px per side when data.image_size is null
+    # LM tokens a processor writes around each image or video of a prompt beside its image tokens (Qwen2-VL's
+    # vision_start / vision_end): a dataset's samples hold them (vlmprobe.dataset.plan_batches)
+    image_markers = 0
 
     def image_size(self, data: DataShape) -> int:
         """Pixels per image side this point asks for."""
@@ -158,6 +161,16 @@ class ModelSpec(abc.ABC):
         spec's bounds. ConfigError here: no rule for this family."""
         raise ConfigError(f"model={getattr(self, 'name', type(self).__name__)} is not allowed for a dataset's images: "
                           f"vlmprobe has no per-image token rule for {type(self).__name__}")
+
+    def sized_for(self, data: DataShape) -> ModelSpec:
+        """This spec as a dataset's images are tokenized for the point `data` (a Qwen-style spec: within its
+        data.min_pixels / max_pixels); the spec itself where the point's settings change no image's tokens."""
+        return self
+
+    def dataset_patches(self, images: list[tuple[int, int]], data: DataShape) -> int:
+        """Vision patches of these (height, width) images as the point's batch hands them to the tower, where a
+        family's inputs count them (Qwen's pixel_values rows); 0 where the tower takes whole images."""
+        return 0
 
     def video_tokens_at(self, frames: int, height: int, width: int) -> int:
         """LM tokens of one video of a dataset, `frames` frames (as handed to the processor) of `height` x `width`

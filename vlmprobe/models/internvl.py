@@ -51,6 +51,7 @@ class InternVLSpec(ModelSpec):
     """Hydra target for conf/model/internvl*.yaml."""
 
     model_class = "InternVLForConditionalGeneration"
+    image_markers = 2  # <img> and </img> around each image's tokens (InternVLProcessor)
 
     def __init__(self, name: str, image_size: int, min_patches: int, max_patches: int, vision: dict, text: dict,
                  image_token_id: int, image_seq_length: int, downsample_ratio: float, projector_hidden_act: str,
@@ -130,7 +131,7 @@ class InternVLSpec(ModelSpec):
     size_decides_tokens = True
 
     def prompt_framing(self, data: DataShape) -> tuple[int, str]:
-        return 2 * data.images_per_sample, " plus <img> and </img> each"
+        return self.image_markers * data.images_per_sample, " plus <img> and </img> each"
 
     # -- model ----------------------------------------------------------------------------------------
     def config(self):

@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from vlmprobe.errors import ConfigError, whole
-from vlmprobe.models.base import DataShape, ModelSpec, hyperparameters, prompt_then_text
+from vlmprobe.models.base import IGNORE_INDEX, DataShape, ModelSpec, hyperparameters, prompt_then_text
 from vlmprobe.models.fake_constants import collated, constant_tensor
 from vlmprobe.models.mistral3 import TEKKEN_IMAGE_BREAK, TEKKEN_IMAGE_END, pixtral_grid, resized_side
 
@@ -201,6 +201,37 @@ class LlavaSpec(ModelSpec):
         size = self.vision["image_size"]
         return {"pixel_values": torch.randn(n_images, self.vision.get("num_channels", 3), size, size,
                                             dtype=torch.float32, device=device)}
+
+    def dataset_batch(self, samples: list[tuple[list[tuple[int, int]], int]], padded_length: int, data: DataShape,
+                      device: torch.device) -> dict:
+        """The inputs of one micro batch of a dataset's samples (vlmprobe.point.dataset_steps; LLaVA 1.5's CLIP
+        tower): `samples` holds each sample's images ((height, width) px) and its LM tokens after truncation. The
+        processor resizes every image to the tower's size, so each image is tokens_per_image <image> tokens after
+        <s>, then the sample's text; each sample is right-padded to `padded_length` with the pad token, mask 0 and
+        labels -100 at the pads (LLaVA's train.py DataCollatorForSupervisedDataset, which ShareGPT4V trains with,
+        pads right; transformers' DataCollatorForSeq2Seq pads on the tokenizer's side: the same shapes).
+        pixel_values: every image of the batch, float32, as CLIPImageProcessor returns them."""
+        if self.pixtral:
+            raise ConfigError(f"model={self.name} is not allowed with data.source: a Pixtral tower's batches are not "
+                              f"built from a dataset yet")
+        per_image, vocab = self.tokens_per_image(), min(self.image_token_id, self.text["vocab_size"])
+        rows_ids, rows_labels, rows_mask, images = [], [], [], 0
+        for sizes, tokens in samples:
+            prompt = [self.text.get("bos_token_id", 1)] + [self.image_token_id] * per_image * len(sizes)
+            if tokens < len(prompt) or tokens > padded_length:
+                raise ConfigError(f"a sample of {tokens} tokens is not allowed for {self.name}: its {len(sizes)} "
+                                  f"image(s) take {len(prompt) - 1} tokens; give a larger data.lm_max_length")
+            input_ids, labels = prompt_then_text(prompt, tokens, vocab)
+            padding = padded_length - tokens
+            rows_ids.append(input_ids + [self.pad_token_id] * padding)
+            rows_labels.append(labels + [IGNORE_INDEX] * padding)
+            rows_mask.append([1] * tokens + [0] * padding)
+            images += len(sizes)
+        batch = {"input_ids": constant_tensor(rows_ids, device), "labels": constant_tensor(rows_labels, device),
+                 "attention_mask": constant_tensor(rows_mask, device)}
+        if images:
+            batch.update(self.image_inputs(images, data, device))
+        return batch
 
     def batch(self, data: DataShape, device: torch.device) -> dict:
         self.validate(data)

@@ -13,6 +13,7 @@ Qwen2VLSpec.
 
 from __future__ import annotations
 
+import copy
 import math
 
 import torch
@@ -106,6 +107,7 @@ class Qwen2VLSpec(ModelSpec):
     # each image and video in the prompt
     token_keys = ("vision_start_token_id", "vision_end_token_id", "image_token_id", "video_token_id")
     markers = ("vision_start_token_id", "vision_end_token_id")
+    image_markers = len(markers)
     frames_in_budget = 1  # frames smart_resize counts against the pixel bounds for a still image (GLM-4.1V: 2)
     scales_up_small_sides = False  # a side below patch x merge px: scaled up to it (GLM), else refused (_resized)
     frame_timestamps_as_text = False  # the processor writes each frame's timestamp as text (videos then refused)
@@ -272,6 +274,15 @@ class Qwen2VLSpec(ModelSpec):
         temporal = -(-frames // self.vision["temporal_patch_size"])
         return temporal * rows * cols // self.vision["spatial_merge_size"] ** 2
 
+    def sized_for(self, data: DataShape) -> Qwen2VLSpec:
+        bounded = copy.copy(self)
+        bounded.min_pixels, bounded.max_pixels = self.pixel_bounds(data)
+        return bounded
+
+    def dataset_patches(self, images: list[tuple[int, int]], data: DataShape) -> int:
+        low, high = self.pixel_bounds(data)
+        return sum(r * c for r, c in (self.grid_at(h, w, low, high, self.frames_in_budget) for h, w in images))
+
     def grid_at(self, height: int, width: int, low: int, high: int, frames: int) -> tuple[int, int]:
         """(rows, cols) of patches of one `height` x `width` image or frame after smart_resize within [low, high]
         px; ConfigError where the processor refuses it (aspect ratio above 200)."""
@@ -286,7 +297,7 @@ class Qwen2VLSpec(ModelSpec):
 
     def prompt_framing(self, data: DataShape) -> tuple[int, str]:
         # vision_start / vision_end around each image and each video
-        return 2 * (data.images_per_sample + data.videos_per_sample), " plus 2 vision markers each"
+        return self.image_markers * (data.images_per_sample + data.videos_per_sample), " plus 2 vision markers each"
 
     # -- model ----------------------------------------------------------------------------------------
     def config(self):
@@ -386,8 +397,8 @@ class Qwen2VLSpec(ModelSpec):
         a padding collator hand them: `samples` holds each sample's images ((height, width) px, in order) and its
         LM tokens after truncation (vlmprobe.dataset.plan_batches). Per image, smart_resize within the point's
         pixel bounds gives its image_grid_thw row [1, rows, cols] and rows x cols pixel_values rows (float32, as
-        the image processor returns them), framed by vision_start / vision_end and followed by the sample's text:
-        the markers are counted in its tokens (the plan counts image and text tokens only). Each sample is then
+        the image processor returns them), framed by vision_start / vision_end and followed by the sample's text
+        (the plan counts the markers: ModelSpec.image_markers). Each sample is then
         right-padded to `padded_length` with the pad token (Qwen2-VL's tokenizer pads with <|endoftext|>, the
         config's bos_token_id), attention_mask 0 and labels -100 at the pads: transformers 5.25's
         DataCollatorForSeq2Seq, whose padding side is the tokenizer's (PreTrainedTokenizerBase's default

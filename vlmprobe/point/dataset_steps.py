@@ -21,7 +21,6 @@ next batches (their host copies are not on the device; pin_memory is not modelle
 
 from __future__ import annotations
 
-import copy
 import csv
 from pathlib import Path
 
@@ -34,7 +33,7 @@ from vlmprobe.sizes import in_words
 from vlmprobe.states import Phase, Status
 from vlmprobe.steps.common import PhaseClock, StepReport
 
-__all__ = ["DEFAULT_STEPS_CAP", "DatasetRun", "append_steps_csv", "batch_words", "plan",
+__all__ = ["DEFAULT_STEPS_CAP", "DatasetRun", "append_steps_csv", "batch_words", "plan", "world_size",
            "STEPS_COLUMNS", "STEPS_FILE"]
 
 DEFAULT_STEPS_CAP = 20  # data.steps=null: one epoch, at most this many steps
@@ -44,28 +43,34 @@ STEPS_COLUMNS = ("point_id", "step", "micro", "rank", "samples", "longest_tokens
 NUMBERS = ("no", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine", "ten")
 
 
-def plan(point: dict, spec, data: DataShape) -> tuple[list, list[StepBatch]]:
-    """(samples, the planned micro batches of one rank) of the point's data.source. Image tokens follow the point's
+def plan(point: dict, spec, data: DataShape, rank: int | None = None) -> tuple[list, list[StepBatch]]:
+    """(samples, the planned micro batches) of the point's data.source: rank `rank`'s (None: every rank's, as the
+    config checks read them). The ranks are dist.world_size's (one without dist); image tokens follow the point's
     pixel bounds (data.min_pixels / max_pixels, else the model's), as its batches are built."""
     try:
         samples = read_samples(data.source, image_dir=data.image_dir)
     except ConfigError as exc:  # the library's line names the dataset; the command's names its key too
         raise ConfigError(f"data.source={data.source}: {exc}") from None
-    bounded = copy.copy(spec)  # the plan's image tokens within the point's bounds, as dataset_batch resizes
-    bounded.min_pixels, bounded.max_pixels = spec.pixel_bounds(data)
-    accum = point["train"]["grad_accum_steps"]
-    steps = data.steps or min(DEFAULT_STEPS_CAP, -(-len(samples) // (data.batch_size * accum)))
-    planned = plan_batches(samples, bounded, batch_size=data.batch_size, steps=steps, world_size=1, seed=data.seed,
-                           sampler=data.sampler, max_length=data.lm_max_length,
+    bounded = spec.sized_for(data)  # the plan's image tokens as dataset_batch makes them (Qwen: the point's bounds)
+    accum, world = point["train"]["grad_accum_steps"], world_size(point)
+    steps = data.steps or min(DEFAULT_STEPS_CAP, -(-len(samples) // (data.batch_size * accum * world)))
+    planned = plan_batches(samples, bounded, batch_size=data.batch_size, steps=steps, world_size=world,
+                           seed=data.seed, sampler=data.sampler, max_length=data.lm_max_length,
                            pad_to_multiple_of=data.pad_to_multiple_of, grad_accum=accum)
     by_index = {s.index: s for s in samples}
+    markers = spec.image_markers
     for batch in planned:  # a sample whose images and markers do not fit its tokens: one line, before any step
         for index, tokens in zip(batch.indices, batch.tokens):
             images = by_index[index].images
-            framed = sum(bounded.image_tokens_at(h, w) for h, w in images) + 2 * len(images)
+            framed = sum(bounded.image_tokens_at(h, w) for h, w in images) + markers * len(images)
             if framed > tokens:
                 raise_unfit(spec, index, tokens, framed)
-    return samples, planned
+    return samples, [b for b in planned if rank is None or b.rank == rank]
+
+
+def world_size(point: dict) -> int:
+    """The ranks the point's batches are dealt to: dist.world_size, 1 without dist."""
+    return (point.get("dist") or {}).get("world_size") or 1  # dist=none holds 1
 
 
 def raise_unfit(spec, index: int, tokens: int, framed: int) -> None:
@@ -78,16 +83,18 @@ class DatasetRun:
     """The planned micro batches of one point, run in its session; `records` fills as they run (an out-of-memory
     leaves those before it and its own)."""
 
-    def __init__(self, samples: list, planned: list[StepBatch]):
+    def __init__(self, samples: list, planned: list[StepBatch], world: int = 1):
         self.samples = {s.index: s for s in samples}
         self.planned = planned
+        self.world = world  # ranks the batches were dealt to (the note names this one's where there are several)
         self.records: list[dict] = []
         self.notes = sample_notes(samples)
 
     def run(self, backend, meter, point: dict, spec, data: DataShape, engine, autocast, report: StepReport) -> None:
         """Every planned step (module docstring), filling `report` as vlmprobe.steps.sft does."""
         accum = point["train"]["grad_accum_steps"]
-        limit = max(max(4 * len(b.tokens) * b.padded_length, self.patches(spec, data, b)) for b in self.planned)
+        limit = max(max(4 * len(b.tokens) * b.padded_length, spec.dataset_patches(list(b.images), data))
+                    for b in self.planned)
         clock = PhaseClock(meter, report)
         steps: dict[int, list[StepBatch]] = {}
         for batch in self.planned:
@@ -148,20 +155,19 @@ class DatasetRun:
     def sample_list(self, planned: StepBatch) -> list[tuple[list[tuple[int, int]], int]]:
         return [(list(self.samples[i].images), tokens) for i, tokens in zip(planned.indices, planned.tokens)]
 
-    def patches(self, spec, data: DataShape, planned: StepBatch) -> int:
-        low, high = spec.pixel_bounds(data)
-        return sum(r * c for r, c in (spec.grid_at(h, w, low, high, spec.frames_in_budget) for h, w in planned.images))
-
     def note(self) -> str | None:
         """The row's dataset_steps: where it first ran out, else its worst step (the highest allocated peak)."""
         if not self.records:
             return None
         out = next((r for r in self.records if r["status"] == Status.OOM), None)
         if out is not None:
-            return f"runs out at step {out['step']}: {batch_words(out)}"
+            return f"runs out at step {out['step']}{self.on_rank(out)}: {batch_words(out)}"
         worst = max(self.records, key=lambda r: (r["peak_allocated_bytes"] or 0, -r["step"]))
-        return (f"worst step {worst['step']} of {self.records[-1]['step']}: {batch_words(worst)}, "
-                f"{in_words(worst['peak_allocated_bytes'])} allocated")
+        return (f"worst step {worst['step']} of {self.records[-1]['step']}{self.on_rank(worst)}: "
+                f"{batch_words(worst)}, {in_words(worst['peak_allocated_bytes'])} allocated")
+
+    def on_rank(self, record: dict) -> str:
+        return f" on rank {record['rank']}" if self.world > 1 else ""
 
     def rows(self) -> list[dict]:
         """The records as steps.csv rows (without point_id)."""
@@ -199,9 +205,16 @@ def batch_words(record: dict) -> str:
 
 
 def append_steps_csv(out_dir: Path, point_id: str, rows: list[dict]) -> None:
-    """Append a point's step rows to out_dir/steps.csv (the header written with the first)."""
+    """Append a point's step rows to out_dir/steps.csv (the header written with the first). Rows the point left
+    there before (a resumed sweep running it again) are dropped first, so each point's steps appear once."""
     path = Path(out_dir) / STEPS_FILE
     try:
+        if path.exists() and path.stat().st_size:
+            with path.open(newline="") as f:
+                before = list(csv.DictReader(f))
+            kept = [r for r in before if r.get("point_id") != point_id]
+            if len(kept) < len(before):  # written beside it, then renamed over it: a crash leaves one whole file
+                write_rows(path.with_suffix(".csv.tmp"), kept).replace(path)
         new = not path.exists() or not path.stat().st_size
         with path.open("a", newline="") as f:
             writer = csv.DictWriter(f, fieldnames=STEPS_COLUMNS)
@@ -210,3 +223,11 @@ def append_steps_csv(out_dir: Path, point_id: str, rows: list[dict]) -> None:
             writer.writerows({"point_id": point_id, **{k: row.get(k) for k in STEPS_COLUMNS[1:]}} for row in rows)
     except OSError as exc:
         raise WriteError(f"{path} cannot be written: {first_line(exc)}") from None
+
+
+def write_rows(path: Path, rows: list[dict]) -> Path:
+    with path.open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=STEPS_COLUMNS, extrasaction="ignore")
+        writer.writeheader()
+        writer.writerows(rows)
+    return path

@@ -15,12 +15,13 @@ from hydra.utils import instantiate
 
 from vlmprobe import backends, quantization
 from vlmprobe.distributed import engines
+from vlmprobe.distributed.process_group import rank
 from vlmprobe.estimate.replay.blocks import Mismatch
 from vlmprobe.gpu import alloc_conf, device_profile
 from vlmprobe.kernels import liger
 from vlmprobe.knobs import adapters_disabled
 from vlmprobe.models.base import DataShape
-from vlmprobe.point.dataset_steps import DatasetRun
+from vlmprobe.point.dataset_steps import DatasetRun, world_size
 from vlmprobe.point.dataset_steps import plan as plan_dataset
 from vlmprobe.point.build import DTYPES, build_spec, built, model_key, reference_model, step_settings
 from vlmprobe.states import Phase, Status
@@ -79,7 +80,8 @@ def measure_once(point: dict, replay_blocks: bool) -> dict:
     report = StepReport()
     out: dict = {"backend": backend.name, "status": Status.OK}
     card = device_profile.from_config(point.get("device"))  # the target card, or None
-    dataset = DatasetRun(*plan_dataset(point, spec, data)) if data.source is not None else None
+    dataset = (DatasetRun(*plan_dataset(point, spec, data, rank()), world=world_size(point))
+               if data.source is not None else None)
     with session(backend, point, card) as meter, contextlib.ExitStack() as host_memory:
         loaded, held = None, {}
         try:

@@ -81,11 +81,11 @@ class Runner:
         timeline = outputs.pop("timeline", None)  # not a column: timeline.jsonl (vlmprobe.results.table)
         steps = outputs.pop("steps", None)  # data.source's records, not columns: steps.csv (vlmprobe.point.dataset_steps)
         row = {**item.inputs, **outputs}
+        if steps is not None:  # before the row: a point with a row has its steps
+            append_steps_csv(self.out_dir, item.point.id, steps)
         self.writer.append(row)
         if timeline is not None:
             append_timeline(self.out_dir, item.point.id, timeline)
-        if steps is not None:
-            append_steps_csv(self.out_dir, item.point.id, steps)
         self.done[item.point.id] = row
         self.statuses.append(row["status"])
         peak = mib(row.get("peak_allocated_bytes"))
