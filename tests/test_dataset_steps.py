@@ -50,7 +50,8 @@ def runs(point, shapes):
     return shapes, both_backends(point, shapes)
 
 
-@pytest.mark.parametrize("family", [[], ["model=llava_tiny"]], ids=["qwen2_vl", "llava"])
+@pytest.mark.parametrize("family", [[], ["model=qwen3_vl_tiny"], ["model=llava_tiny"]],
+                         ids=["qwen2_vl", "qwen3_vl", "llava"])
 def test_the_estimate_equals_the_cpu_backend_step_by_step_to_the_byte(point, shapes, family):
     rows = both_backends(point, shapes, *family)
     estimate, cpu = rows["estimate"], rows["cpu"]

@@ -27,7 +27,8 @@ DTYPE_NAMES = ("float32", "bfloat16", "float16")
 RECORD_HISTORY = ("off", "alloc", "all")
 STEPS = ("sft", "grpo", "dpo")
 # the families whose dataset batches are built (ModelSpec.dataset_batch), by their transformers config class
-DATASET_FAMILIES = {"Qwen2VLConfig": "Qwen2-VL", "Qwen2_5_VLConfig": "Qwen2.5-VL", "LlavaConfig": "LLaVA 1.5"}
+DATASET_FAMILIES = {"Qwen2VLConfig": "Qwen2-VL", "Qwen2_5_VLConfig": "Qwen2.5-VL", "Qwen3VLConfig": "Qwen3-VL",
+                    "LlavaConfig": "LLaVA 1.5"}
 
 
 def check_top_level(base: dict) -> None:
@@ -125,13 +126,13 @@ def check_step(cfg: dict, data, spec):
 
 
 def check_source(cfg: dict, data, spec) -> None:
-    """data.source (vlmprobe.point.dataset_steps): what runs it now (a Qwen2-VL / Qwen2.5-VL family, one rank, sft,
+    """data.source (vlmprobe.point.dataset_steps): what runs it now (a family of DATASET_FAMILIES, one rank, sft,
     no packing), the settings it makes unused, the sampler, and the dataset itself (read here: a missing image or
     an empty dataset is one line before anything is built)."""
     if data.source is None:
         return
-    supported = ("Qwen2-VL / Qwen2.5-VL / LLaVA 1.5 (qwen2_vl_*, qwen2_5_vl_*, llava_1_5_7b, llava_tiny, hf), "
-                 "dist=none, step=sft, data.packing=false")
+    supported = (f"{' / '.join(DATASET_FAMILIES.values())} (qwen2_vl_*, qwen2_5_vl_*, qwen3_vl_8b, qwen3_vl_tiny, "
+                 f"llava_1_5_7b, llava_tiny, hf), dist=none, step=sft, data.packing=false")
     family = getattr(spec, "config_class", None)
     if family not in DATASET_FAMILIES or not callable(getattr(spec, "dataset_batch", None)):
         raise ConfigError(f"model={cfg['model'].get('name', '?')} is not allowed with data.source: a dataset's "

@@ -14,9 +14,9 @@ reserved over its forward and backward (the step's optimizer update counted in i
 num_alloc_retries so far, and its status; an out-of-memory ends the run there, its record `oom`. The records leave
 the point under the row's `steps` key and become steps.csv (vlmprobe.run.sweep).
 
-Limits: Qwen2-VL / Qwen2.5-VL, one rank, step=sft, padded batches (no packing), images only; the vision markers
-are counted in a sample's tokens (the plan counts image and text tokens only); a real DataLoader prefetches the
-next batches (their host copies are not on the device; pin_memory is not modelled).
+Limits: the families of vlmprobe.config.checks.DATASET_FAMILIES, step=sft, padded batches (no packing), images
+only; a real DataLoader prefetches the next batches (their host copies are not on the device; pin_memory is not
+modelled).
 """
 
 from __future__ import annotations
