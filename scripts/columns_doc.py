@@ -50,6 +50,8 @@ DESCRIPTIONS = {
     "images_per_sample": "images in each sample (`data.images_per_sample`)",
     "max_pixels": "Qwen's cap on an image's H x W (`data.max_pixels`)",
     "image_tokens": "LM tokens the images of one sample take",
+    "data_source": "`data.source`: the dataset whose batches ran, step by step (steps.csv); `image_size`, "
+                   "`images_per_sample` and `image_tokens` are then empty, `steps` is `data.steps`",
     "videos_per_sample": "videos in each sample (`data.videos_per_sample`); empty without videos",
     "video_frames": "frames each video hands the processor (`data.video_frames`); empty without videos",
     "video_size": "px per frame side after the processor's resize; empty without videos",

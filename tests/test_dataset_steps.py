@@ -102,7 +102,8 @@ def test_a_sweep_writes_steps_csv_and_steps_png(cli, shapes, tmp_path):
                                    "image_tokens", "images", "peak_allocated_bytes", "peak_reserved_bytes",
                                    "num_alloc_retries", "status"]
     assert table["step"].tolist() == [1, 2, 3] and (out_dir / "steps.png").stat().st_size > 0
-    assert len(pd.read_csv(out_dir / "results.csv")) == 1  # the records are steps.csv's, not a row's
+    (row,) = pd.read_csv(out_dir / "results.csv").to_dict("records")  # the records are steps.csv's, not a row's
+    assert row["data_source"] == str(shapes) and pd.isna(row["image_size"]) and pd.isna(row["image_tokens"])
 
 
 @pytest.mark.parametrize("extra, words", [
@@ -120,9 +121,29 @@ def test_each_unsupported_setting_is_one_line(point, shapes, extra, words):
     assert words in str(caught.value) and "\n" not in str(caught.value)
 
 
-def test_dist_other_than_none_is_refused_in_one_line(point, shapes):
-    with pytest.raises(ConfigError, match="dist=fsdp2 is not allowed with data.source: .* use dist=none"):
-        point([*BASE, f"data.source={shapes}", "measure.backend=estimate", "dist=fsdp2", "dist.world_size=2"])
+def ranks_steps(cli, shapes, tmp_path, backend: str, *extra) -> pd.DataFrame:
+    code, err = cli([*BASE, f"data.source={shapes}", f"measure.backend={backend}", "dist.world_size=2", *extra])
+    assert code == 0, err
+    (out_dir,) = (tmp_path / "r" / "single").iterdir()
+    steps = pd.read_csv(out_dir / "steps.csv")
+    for path in (out_dir / "steps.csv", out_dir / "ranks.csv"):
+        path.rename(tmp_path / f"{backend}_{path.name}")
+    out_dir.rename(tmp_path / f"{backend}_run")
+    return steps
+
+
+@pytest.mark.parametrize("dist", ["ddp", pytest.param("fsdp2", marks=pytest.mark.slow)])
+def test_each_rank_runs_its_own_batches_and_the_estimate_equals_real_gloo_ranks(cli, shapes, tmp_path, dist):
+    # sequential sampler, batch 2, two ranks: batch i goes to rank i % 2 (accelerate's BatchSamplerShard), so rank 0
+    # runs samples 0 1 then 4 5, rank 1 samples 2 3 then, the round unfinished, 0 1 again (even_batches)
+    estimate = ranks_steps(cli, shapes, tmp_path, "estimate", f"dist={dist}", "data.steps=2")
+    by_rank = {r: g["samples"].tolist() for r, g in estimate.groupby("rank")}
+    assert by_rank == {0: ["0 1", "4 5"], 1: ["2 3", "0 1"]}
+    ranks = pd.read_csv(tmp_path / "estimate_ranks.csv")
+    assert ranks["simulated_as"].tolist() == [0, 1]  # each rank simulated itself: their batches differ
+    cpu = ranks_steps(cli, shapes, tmp_path, "cpu", f"dist={dist}", "data.steps=2")  # torchrun, gloo
+    byte_columns = ["rank", "step", "samples", "peak_allocated_bytes", "peak_reserved_bytes"]
+    assert estimate[byte_columns].values.tolist() == cpu[byte_columns].values.tolist()
 
 
 def test_a_point_run_again_on_resume_leaves_its_steps_once(tmp_path):

@@ -96,7 +96,9 @@ def point_inputs(cfg: dict, point: Point, spec, data: DataShape, shapes: dict, d
     and token counts the family computed."""
     train, measure = cfg["train"], cfg["measure"]
     image_size, image_tokens, video_tokens = shapes["image_size"], shapes["image_tokens"], shapes["video_tokens"]
-    steps = measure["steps"]
+    steps = measure["steps"] if data.source is None else data.steps  # a dataset's: data.steps (null: one epoch)
+    if data.source is not None:  # each sample's own images, not the synthetic batch's
+        image_size = image_tokens = None
     inputs = {
         "sweep": cfg["sweep"]["name"],
         "point_id": point.id,
@@ -112,9 +114,10 @@ def point_inputs(cfg: dict, point: Point, spec, data: DataShape, shapes: dict, d
         "effective_batch_size": data.batch_size * train["grad_accum_steps"],
         "lm_max_length": data.lm_max_length,
         "image_size": image_size if data.images_per_sample else None,
-        "images_per_sample": data.images_per_sample,
+        "images_per_sample": data.images_per_sample if data.source is None else None,
         "max_pixels": data.max_pixels,
         "image_tokens": image_tokens,
+        "data_source": data.source if not isinstance(data.source, dict) else json.dumps(data.source),
         **({"videos_per_sample": data.videos_per_sample, "video_frames": data.video_frames,
             "video_size": spec.video_size(data), "video_max_pixels": data.video_max_pixels,
             "video_tokens": video_tokens} if data.videos_per_sample else {}),

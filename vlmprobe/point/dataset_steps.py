@@ -1,11 +1,12 @@
 """A dataset's batches, step after step, in one backend session (data.source=): the allocator's cached blocks carry
 from one step to the next, as in a real run, so fragmentation from batches of changing shapes shows in reserved.
 
-Rule: the samples (vlmprobe.dataset.read_samples) are planned once per point (plan_batches, one rank, the point's
-sampler, seed, per-device batch, grad_accum, lm_max_length as the max length, pad_to_multiple_of); each optimizer
-step then runs its micro batches one after another as vlmprobe.steps.sft does (zero_grad, then per micro batch its
-inputs made as the collator hands them, forward under autocast, loss / grad_accum, backward; then the optimizer
-step), each micro batch's inputs built right before its forward and dropped after its backward. Every step is
+Rule: the samples (vlmprobe.dataset.read_samples) are planned once per point and rank (plan_batches over
+dist.world_size ranks, this process's rank kept; the point's sampler, seed, per-device batch, grad_accum,
+lm_max_length as the max length, pad_to_multiple_of); each optimizer step then runs its micro batches one after
+another as vlmprobe.steps.sft does (zero_grad, then per micro batch its inputs made as the collator hands them,
+forward under autocast, loss / grad_accum, backward; then the optimizer step), each micro batch's inputs built
+right before its forward and dropped after its backward. Every step is
 traced anew (no step replay: the shapes differ from step to step). Steps are counted from 1 (the Trainer's
 global_step once the step is done); micro and rank from 0, as in the plan.
 
@@ -33,7 +34,7 @@ from vlmprobe.sizes import in_words
 from vlmprobe.states import Phase, Status
 from vlmprobe.steps.common import PhaseClock, StepReport
 
-__all__ = ["DEFAULT_STEPS_CAP", "DatasetRun", "append_steps_csv", "batch_words", "plan", "world_size",
+__all__ = ["DEFAULT_STEPS_CAP", "DatasetRun", "append_steps_csv", "batch_words", "gather_ranks", "plan", "world_size",
            "STEPS_COLUMNS", "STEPS_FILE"]
 
 DEFAULT_STEPS_CAP = 20  # data.steps=null: one epoch, at most this many steps
@@ -172,6 +173,17 @@ class DatasetRun:
     def rows(self) -> list[dict]:
         """The records as steps.csv rows (without point_id)."""
         return [{k: v for k, v in r.items() if k != "longest_images"} for r in self.records]
+
+
+def gather_ranks(rows: dict[int, dict]) -> dict:
+    """A distributed point's `steps` and `dataset_steps` from its rank rows (each rank ran its own batches): every
+    rank's records, rank by rank; the note of the first rank that ran out, else of the rank with the highest peak."""
+    ranks = [r for r in sorted(rows) if rows[r].get("steps") is not None]
+    if not ranks:
+        return {}
+    out = [r for r in ranks if rows[r].get("status") == Status.OOM]
+    top = out[0] if out else max(ranks, key=lambda r: (rows[r].get("peak_allocated_bytes") or 0, -r))
+    return {"steps": [record for r in ranks for record in rows[r]["steps"]], "dataset_steps": rows[top].get("dataset_steps")}
 
 
 def closed(clock: PhaseClock, meter, phase: str, window: dict) -> None:

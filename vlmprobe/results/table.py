@@ -32,6 +32,7 @@ INPUT_COLUMNS = [
     "sweep", "point_id", "case", "model", "model_source", "params", "trainable_params", "dtype", "autocast_dtype", "optimizer",
     "batch_size", "grad_accum_steps", "effective_batch_size", "lm_max_length", "image_size", "images_per_sample",
     "max_pixels", "image_tokens",
+    "data_source",  # data.source: the dataset whose batches ran (image_size, images_per_sample, image_tokens empty)
     "videos_per_sample", "video_frames", "video_size", "video_max_pixels", "video_tokens",  # empty without videos
     "grad_ckpt_lm", "grad_ckpt_vision", "freeze_vision", "freeze_lm", "lora_r", "quantization",
     "dist", "world_size", "device",

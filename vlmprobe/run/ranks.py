@@ -19,6 +19,7 @@ from pathlib import Path
 
 from vlmprobe import child
 from vlmprobe.point.build import parameter_shapes
+from vlmprobe.point.dataset_steps import gather_ranks
 from vlmprobe.point.measure import TAIL
 from vlmprobe.point.rank import simulate_rank
 from vlmprobe.point.worker import last_row, print_row
@@ -46,6 +47,8 @@ def rank_groups(config: dict) -> list[list[int]]:
     """Ranks grouped by identical shapes, each group in rank order; the first rank of a group stands for it."""
     dist = config["dist"]
     world = dist["world_size"]
+    if config["data"].get("source") is not None:  # each rank runs its own samples (vlmprobe.point.dataset_steps)
+        return [[rank] for rank in range(world)]
     if dist["name"] in ("zero1", "zero2"):
         # one flat buffer cut into equal partitions: which parameters (and so which gradient temporaries of the
         # step) fall in a rank's partition differs from rank to rank, so each rank gets its own simulation
@@ -139,7 +142,7 @@ def run_ranks(config: dict, env: dict) -> dict:
         for row in rows.values():
             row["simulated_as"] = None  # measured, not simulated
     out, rank_rows = point_row(rows, world, config["measure"]["backend"], failure)
-    return {**out, "ranks": rank_rows}
+    return {**out, **gather_ranks(rows), "ranks": rank_rows}
 
 
 class RankWriter:
