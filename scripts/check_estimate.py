@@ -8,7 +8,8 @@
    here; otherwise `--cuda-dir DIR` (repeatable) compares committed cuda results dirs with a fresh estimate
    of the same config; without either this part says it is unverified. A cuda run that named no card
    (device=none) is estimated for the card it ran on (env.json's device_name), where a profile is that card's:
-   its kernels and cuBLAS workspaces are what the measurement holds.
+   its kernels and cuBLAS workspaces are what the measurement holds. A dir that ran a dataset's steps
+   (data.source, steps.csv) is compared step by step too.
 
     python scripts/check_estimate.py [--cuda-dir results/seq_len/<stamp>] [--parts bookkeeping,published,cuda]
 """
@@ -25,6 +26,7 @@ from pathlib import Path
 import pandas as pd
 
 from vlmprobe.gpu import device_profile
+from vlmprobe.point.dataset_steps import STEPS_FILE
 from vlmprobe.results.table import read_table, superseded
 from vlmprobe.sizes import MiB
 
@@ -37,6 +39,7 @@ TINY_MODELS = ["nanovlm_tiny", "qwen2_vl_tiny", "qwen2_5_vl_tiny", "qwen3_vl_tin
                "idefics3_tiny", "gemma3_tiny", "mllama_tiny"]
 TINY_LENGTHS = "[48,64]"  # lm_max_length of the smoke sweep's points: every tiny variant's images fit (idefics3_tiny's take 33)
 CUDA_SWEEPS = ["seq_len", "qwen2_vl_image_size"]
+PEAKS = ["peak_allocated_bytes", "peak_reserved_bytes"]
 
 
 def sweep(args: list[str], out: Path) -> Path:
@@ -81,14 +84,33 @@ def estimate_overrides(env: dict) -> list[str]:
     return overrides + ["measure.backend=estimate"]
 
 
-def against(reference_dir: Path, tmp: Path) -> pd.DataFrame:
-    """Estimate the command of a cuda results dir (estimate_overrides) and compare point by point."""
+def against(reference_dir: Path, tmp: Path) -> tuple[pd.DataFrame, pd.DataFrame | None]:
+    """Estimate the command of a cuda results dir (estimate_overrides) and compare point by point; where the dir
+    ran a dataset's steps (data.source: steps.csv), step by step too (else None)."""
     overrides = estimate_overrides(json.loads((reference_dir / "env.json").read_text()))
     print(f"estimated with: {' '.join(overrides)}\n")
-    estimate = read_table(sweep(overrides, tmp / reference_dir.name) / "results.csv")
-    cuda = read_table(reference_dir / "results.csv")
-    columns = ["point_id", "status", "peak_allocated_bytes", "peak_reserved_bytes"]
-    merged = cuda[columns].merge(estimate[columns], on="point_id", suffixes=("_cuda", "_estimate"))
+    estimated = sweep(overrides, tmp / reference_dir.name)
+    steps = step_by_step(reference_dir / STEPS_FILE, estimated / STEPS_FILE) if (reference_dir / STEPS_FILE).exists() \
+        else None
+    return point_by_point(read_table(reference_dir / "results.csv"), read_table(estimated / "results.csv")), steps
+
+
+def step_by_step(reference: Path, estimate: Path) -> pd.DataFrame:
+    """Two steps.csv files compared micro batch by micro batch (point, step, micro, rank): peak allocated and
+    reserved. A micro batch only one of them ran (the other ran out before it) has an empty side."""
+    keys = ["point_id", "step", "micro", "rank"]
+    cuda = pd.read_csv(reference)[[*keys, "longest_tokens", *PEAKS]]
+    return compared(cuda.merge(pd.read_csv(estimate)[[*keys, *PEAKS]], on=keys, how="outer",
+                               suffixes=("_cuda", "_estimate")))
+
+
+def point_by_point(cuda: pd.DataFrame, estimate: pd.DataFrame) -> pd.DataFrame:
+    columns = ["point_id", "status", *PEAKS]
+    return compared(cuda[columns].merge(estimate[columns], on="point_id", suffixes=("_cuda", "_estimate")))
+
+
+def compared(merged: pd.DataFrame) -> pd.DataFrame:
+    """Peaks of cuda (suffix _cuda) and estimate (_estimate) side by side, in MiB, with their relative errors."""
     merged = merged.rename(columns={
         "peak_allocated_bytes_cuda": "cuda", "peak_allocated_bytes_estimate": "estimate",
         "peak_reserved_bytes_cuda": "cuda reserved", "peak_reserved_bytes_estimate": "estimate reserved"})
@@ -139,7 +161,11 @@ def main() -> None:
                 print(f"## estimate vs cuda: {directory}\n")
                 if note := superseded(Path(directory)):  # a program the code no longer runs
                     print(f"**{note}**\n")
-                print(against(directory, tmp).to_markdown(index=False), "\n")
+                points, steps = against(directory, tmp)
+                print(points.to_markdown(index=False), "\n")
+                if steps is not None:
+                    print(f"### step by step ({STEPS_FILE})\n")
+                    print(steps.to_markdown(index=False), "\n")
     print("MiB = 1024^2 bytes; rel_error_% = (estimate - reference) / reference; cuda / estimate: peak allocated "
           "(max_memory_allocated), reserved: peak reserved (max_memory_reserved).")
 

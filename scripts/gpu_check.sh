@@ -26,6 +26,10 @@
 #   8. dpo              step=dpo on Qwen2-VL-2B, TRL's and LLaMA-Factory's logits paths, full fine-tune and LoRA
 #                       (one 448 px image in a 512-token prompt, 256-token completions, 2 pairs), on cuda, then
 #                       scripts/check_estimate.py --cuda-dir on it (dpo_vs_estimate)
+#   8d. dataset         data.source on cuda (issue 49): Qwen2-VL-2B, bf16, batch 2, 8 steps of a seeded synthetic
+#                       dataset (lengths and image sizes vary from step to step), default allocator and
+#                       expandable_segments, then scripts/check_estimate.py --cuda-dir on it, point by point and step by
+#                       step from steps.csv (dataset_vs_estimate)
 #   8a. pixtral_mask    Mistral 3's tower (mistral3_tiny, bf16, one 70 px image: 36 patches, a mask with unaligned
 #                       rows, and two: 72, aligned) on cuda, then scripts/check_estimate.py --cuda-dir on it
 #                       (pixtral_mask_vs_estimate): whether the memory-efficient kernel's padded mask copies, or
@@ -43,13 +47,15 @@
 #  10. baseline         the first baseline of this device (results/baseline/<device>/<sweep>/) when none exists
 # Needs nothing but the installed project (pip install -e ".[test]") and a CUDA GPU; about 15 minutes on an H100.
 # In parts, where a command may run only so long (10 minutes through the device tool):
-#   VLMPROBE_GPU_CHECK_ONLY="cuda_tests nightly"   the named steps of 1, 2, 5, 6, 7, 8, 8a-8c, 9 only, each with the steps
+#   VLMPROBE_GPU_CHECK_ONLY="cuda_tests nightly"   the named steps of 1, 2, 5, 6, 7, 8, 8a-8d, 9 only, each with the steps
 #                                                  that read its output (3-4 and 10 with 2, the replay with 6, ...)
 # On a machine reached through a tool that returns few files, pack the directory: tar czf out.tgz -C DIR .
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
-PARTS="cuda_tests nightly recording_cost allocator grpo dpo pixtral_mask moe dist nanovlm_code"
+PARTS="cuda_tests nightly recording_cost allocator grpo dpo dataset pixtral_mask moe dist nanovlm_code"
+# the dataset part's samples: lengths and image sizes drawn with a seed (docs/datasets.md, "Synthetic")
+DATASET_SOURCE='synthetic:{"samples": 64, "seed": 0, "text_tokens": {"lognormal": {"mean": 5.5, "sigma": 0.7}}, "images_per_sample": {"choice": [1, 1, 2]}, "image_height": {"uniform": [224, 1024]}, "image_width": {"uniform": [224, 1024]}}'
 ONLY=" ${VLMPROBE_GPU_CHECK_ONLY:-$PARTS} "
 for part in $ONLY; do
   if [[ " $PARTS " != *" $part "* ]]; then
@@ -134,6 +140,13 @@ if wanted dpo; then
     '+sweep.axes.step.logits=[chunked,full_fp32]' '+sweep.axes.train.lora_r=[0,8]'
   DPO=$(newest "$OUT/dpo/dpo")
   [ -n "$DPO" ] && step dpo_vs_estimate python scripts/check_estimate.py --parts cuda --cuda-dir "$DPO"
+fi
+if wanted dataset; then
+  step dataset python -m vlmprobe model=qwen2_vl_2b measure.backend=cuda "results_dir=$OUT/dataset" sweep.name=dataset \
+    "data.source='$DATASET_SOURCE'" data.batch_size=2 data.lm_max_length=2048 data.steps=8 \
+    train.param_dtype=bfloat16 train.autocast_dtype=null '+sweep.axes.measure.alloc_conf=[null,"expandable_segments:True"]'
+  DATASET=$(newest "$OUT/dataset/dataset")
+  [ -n "$DATASET" ] && step dataset_vs_estimate python scripts/check_estimate.py --parts cuda --cuda-dir "$DATASET"
 fi
 if wanted pixtral_mask; then
   step pixtral_mask python -m vlmprobe model=mistral3_tiny measure.backend=cuda "results_dir=$OUT/pixtral_mask" \

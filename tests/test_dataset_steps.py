@@ -8,6 +8,7 @@ import json
 
 import pandas as pd
 import pytest
+from conftest import load_script
 
 from vlmprobe.errors import ConfigError
 from vlmprobe.point.dataset_steps import append_steps_csv
@@ -122,12 +123,14 @@ def test_each_unsupported_setting_is_one_line(point, shapes, extra, words):
 
 
 def ranks_steps(cli, shapes, tmp_path, backend: str, *extra) -> pd.DataFrame:
-    code, err = cli([*BASE, f"data.source={shapes}", f"measure.backend={backend}", "dist.world_size=2", *extra])
+    """The steps.csv of one run (moved to tmp_path/BACKEND_steps.csv, ranks.csv beside it where there is one)."""
+    code, err = cli([*BASE, f"data.source={shapes}", f"measure.backend={backend}", *extra])
     assert code == 0, err
     (out_dir,) = (tmp_path / "r" / "single").iterdir()
     steps = pd.read_csv(out_dir / "steps.csv")
     for path in (out_dir / "steps.csv", out_dir / "ranks.csv"):
-        path.rename(tmp_path / f"{backend}_{path.name}")
+        if path.exists():
+            path.rename(tmp_path / f"{backend}_{path.name}")
     out_dir.rename(tmp_path / f"{backend}_run")
     return steps
 
@@ -136,12 +139,12 @@ def ranks_steps(cli, shapes, tmp_path, backend: str, *extra) -> pd.DataFrame:
 def test_each_rank_runs_its_own_batches_and_the_estimate_equals_real_gloo_ranks(cli, shapes, tmp_path, dist):
     # sequential sampler, batch 2, two ranks: batch i goes to rank i % 2 (accelerate's BatchSamplerShard), so rank 0
     # runs samples 0 1 then 4 5, rank 1 samples 2 3 then, the round unfinished, 0 1 again (even_batches)
-    estimate = ranks_steps(cli, shapes, tmp_path, "estimate", f"dist={dist}", "data.steps=2")
+    estimate = ranks_steps(cli, shapes, tmp_path, "estimate", f"dist={dist}", "dist.world_size=2", "data.steps=2")
     by_rank = {r: g["samples"].tolist() for r, g in estimate.groupby("rank")}
     assert by_rank == {0: ["0 1", "4 5"], 1: ["2 3", "0 1"]}
     ranks = pd.read_csv(tmp_path / "estimate_ranks.csv")
     assert ranks["simulated_as"].tolist() == [0, 1]  # each rank simulated itself: their batches differ
-    cpu = ranks_steps(cli, shapes, tmp_path, "cpu", f"dist={dist}", "data.steps=2")  # torchrun, gloo
+    cpu = ranks_steps(cli, shapes, tmp_path, "cpu", f"dist={dist}", "dist.world_size=2", "data.steps=2")  # torchrun
     byte_columns = ["rank", "step", "samples", "peak_allocated_bytes", "peak_reserved_bytes"]
     assert estimate[byte_columns].values.tolist() == cpu[byte_columns].values.tolist()
 
@@ -153,3 +156,11 @@ def test_a_point_run_again_on_resume_leaves_its_steps_once(tmp_path):
     append_steps_csv(tmp_path, "a", [{"step": 1, "status": "ok"}, {"step": 2, "status": "ok"}])  # "a" again
     table = pd.read_csv(tmp_path / "steps.csv")
     assert table[["point_id", "step", "status"]].values.tolist() == [["b", 1, "ok"], ["a", 1, "ok"], ["a", 2, "ok"]]
+
+
+def test_check_estimate_compares_two_runs_step_by_step(cli, shapes, tmp_path):
+    steps = {b: ranks_steps(cli, shapes, tmp_path, b) for b in ("estimate", "cpu")}
+    assert len(steps["cpu"]) == 3
+    table = load_script("check_estimate").step_by_step(tmp_path / "cpu_steps.csv", tmp_path / "estimate_steps.csv")
+    assert table["step"].tolist() == [1, 2, 3]
+    assert (table["rel_error_%"] == 0).all() and (table["reserved rel_error_%"] == 0).all()

@@ -32,7 +32,7 @@ def test_the_gpu_check_refuses_a_part_it_does_not_have_in_one_line_before_lookin
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == [
         "gpu_check: VLMPROBE_GPU_CHECK_ONLY names 'allocater': give some of: cuda_tests nightly recording_cost "
-        "allocator grpo dpo pixtral_mask moe dist nanovlm_code"]
+        "allocator grpo dpo dataset pixtral_mask moe dist nanovlm_code"]
 
 
 @pytest.mark.parametrize("script, args, line", [
