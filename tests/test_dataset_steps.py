@@ -13,7 +13,9 @@ from conftest import load_script
 from vlmprobe.errors import ConfigError
 from vlmprobe.point.dataset_steps import append_steps_csv
 from vlmprobe.point.measure import measure
+from vlmprobe.results import report
 from vlmprobe.results.answer import verdict
+from vlmprobe.results.table import read_table
 
 # sequential sampler, batch 2: step 1 short, step 2 medium, step 3 long (two 336 x 224 px images: 96 tokens each)
 SAMPLES = [
@@ -144,6 +146,12 @@ def test_each_rank_runs_its_own_batches_and_the_estimate_equals_real_gloo_ranks(
     assert by_rank == {0: ["0 1", "4 5"], 1: ["2 3", "0 1"]}
     ranks = pd.read_csv(tmp_path / "estimate_ranks.csv")
     assert ranks["simulated_as"].tolist() == [0, 1]  # each rank simulated itself: their batches differ
+    drawn = {}  # steps.png: a line per rank
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(report, "save_panels", lambda plt, fig, axes, *args: drawn.update(axes=axes))
+        report.steps_plot(read_table(tmp_path / "estimate_run" / "results.csv"), estimate, tmp_path / "steps.png")
+    assert [line.get_label() for line in drawn["axes"][0, 0].get_lines()] == [
+        "peak reserved (highest rank)", "rank 0 allocated", "rank 1 allocated"]
     cpu = ranks_steps(cli, shapes, tmp_path, "cpu", f"dist={dist}", "dist.world_size=2", "data.steps=2")  # torchrun
     byte_columns = ["rank", "step", "samples", "peak_allocated_bytes", "peak_reserved_bytes"]
     assert estimate[byte_columns].values.tolist() == cpu[byte_columns].values.tolist()

@@ -1,8 +1,9 @@
 """The tables a person reads at the end of a sweep: results.parquet, summary.md, plot.png, timeline.png and steps.png.
 
 steps.png draws steps.csv (points that ran a dataset's steps, data.source: vlmprobe.point.dataset_steps): the peak
-allocated and reserved of each step (the highest of its micro batches), the capacity the point ran against as a
-line, an out-of-memory step marked; one panel per point, the first six.
+allocated and reserved of each step (the highest of its micro batches; with several ranks each rank's allocated
+line and the highest reserved), the capacity the point ran against as a line, an out-of-memory step marked; one
+panel per point, the first six.
 
 timeline.png draws what timeline.jsonl keeps (estimate and cpu points; cuda keeps none): allocated and reserved
 over one point's run, each sample the maximum of its bucket of allocations, so no peak is lost
@@ -34,6 +35,7 @@ BACKEND_WORDS = {
     "cpu": "CPU proxy figures (live tensor bytes on the CPU), not GPU measurements",
 }
 STEPS_FILE = "steps.csv"  # vlmprobe.point.dataset_steps writes it beside results.csv
+RANKS_NAMED = 8  # steps.png names each rank's line up to this many ranks
 BACKEND_TITLES = {"cuda": "measured on CUDA", "estimate": "ESTIMATE (no GPU)", "cpu": "CPU proxy (not GPU)"}
 
 
@@ -442,8 +444,18 @@ def steps_plot(table: pd.DataFrame, steps: pd.DataFrame, path: Path) -> None:
         row = rows[point_id]
         top = max(per_step["reserved"].max(), per_step["allocated"].max())
         unit, scale = panel_unit(top)
-        ax.plot(per_step.index, per_step["reserved"] / scale, marker="o", color="C0", lw=1, label="peak reserved")
-        ax.plot(per_step.index, per_step["allocated"] / scale, marker="o", color="k", lw=1, label="peak allocated")
+        ranks = sorted(mine["rank"].unique())
+        if len(ranks) == 1:
+            ax.plot(per_step.index, per_step["reserved"] / scale, marker="o", color="C0", lw=1, label="peak reserved")
+            ax.plot(per_step.index, per_step["allocated"] / scale, marker="o", color="k", lw=1, label="peak allocated")
+        else:  # each rank its own allocated line; reserved: the highest rank's
+            ax.plot(per_step.index, per_step["reserved"] / scale, marker="o", color="C0", lw=1,
+                    label="peak reserved (highest rank)")
+            for i, rank in enumerate(ranks):
+                own = mine[mine["rank"] == rank].groupby("step")["peak_allocated_bytes"].max()
+                label = f"rank {rank} allocated" if len(ranks) <= RANKS_NAMED else \
+                    ("each rank's peak allocated" if i == 0 else None)
+                ax.plot(own.index, own / scale, marker=".", lw=0.8, color=f"C{1 + i % 9}", label=label)
         for step in per_step.index[per_step["oom"]]:
             ax.axvline(step, color="C3", lw=1, alpha=0.6, label=f"out of memory (step {step})")
         ax.set_xticks(list(per_step.index))
