@@ -294,3 +294,14 @@ def test_a_llamafactory_lora_target_list_reads_as_the_comma_string_does(tmp_path
         path.write_text("model_name_or_path: Qwen/Qwen2.5-VL-7B-Instruct\nstage: sft\nfinetuning_type: lora\n" + target)
         read[name] = read_recipe_file(path).overrides()["train.lora_target_modules"]
     assert read["comma"] == read["list"] == ["q_proj", "v_proj"]
+
+
+def test_an_unquoted_no_in_an_accelerate_config_is_one_process_and_a_missing_deepspeed_file_is_named(tmp_path):
+    file = tmp_path / "accelerate.yaml"
+    file.write_text("distributed_type: NO\nmixed_precision: bf16\nnum_processes: 1\n")  # YAML 1.1 reads NO as false
+    assert yaml.safe_load(file.read_text())["distributed_type"] is False
+    assert ("dist", "none") in [(m.setting, m.becomes) for m in read_recipe_file(file).mapped]
+    file = tmp_path / "llamafactory.yaml"
+    file.write_text("model_name_or_path: x/y\nstage: sft\nfinetuning_type: lora\ndeepspeed: missing_ds.json\n")
+    with pytest.raises(ConfigError, match=r"^recipe.file=\S*/llamafactory.yaml: deepspeed='missing_ds.json' is not allowed"):
+        read_recipe_file(file)

@@ -45,7 +45,8 @@ def section(c: Collector, key: str, value, kind: str, needed: str) -> list[tuple
 
 def read_accelerate(config: dict, where: str, base: Path | None) -> FileRecipe:
     c = Collector("accelerate", where)
-    kind = str(config.get("distributed_type", "NO")).upper()
+    # an unquoted NO is YAML 1.1's false (PyYAML reads it so): accelerate's own writer quotes nothing, so it means "NO"
+    kind = "NO" if config.get("distributed_type") is False else str(config.get("distributed_type", "NO")).upper()
     fsdp = config.get("fsdp_config") if isinstance(config.get("fsdp_config"), dict) else {}
     ds = config.get("deepspeed_config") if isinstance(config.get("deepspeed_config"), dict) else {}
     for key, value in config.items():

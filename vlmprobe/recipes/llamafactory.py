@@ -47,11 +47,12 @@ NOT_MODELLED = ("neat_packing", "upcast_layernorm", "upcast_lmhead_output", "use
                 "use_dora", "pissa_init", "use_llama_pro", "shift_attn")
 
 
-def zero_stage(config: dict, base: Path | None) -> int | None:
-    """The ZeRO stage the file's deepspeed key runs (None: no DeepSpeed), read without recording anything."""
+def zero_stage(config: dict, where: str, base: Path | None) -> int | None:
+    """The ZeRO stage the file's deepspeed key runs (None: no DeepSpeed), read without recording anything; a
+    refusal names the file (`where`)."""
     if config.get("deepspeed") is None:
         return None
-    scratch = Collector("llamafactory", "")
+    scratch = Collector("llamafactory", where)
     deepspeed_entries(scratch, "deepspeed", config["deepspeed"], base, "llamafactory")
     dist = next((m.becomes for m in scratch.mapped if m.setting == "dist"), None)
     return int(dist[-1]) if dist else None
@@ -66,7 +67,7 @@ def read_llamafactory(config: dict, where: str, base: Path | None) -> FileRecipe
     lora = method == "lora"
     freeze_vision = as_bool(c, "freeze_vision_tower", config.get("freeze_vision_tower", True))
     stage = config.get("stage", "sft")
-    zero3 = zero_stage(config, base) == 3
+    zero3 = zero_stage(config, where, base) == 3
     pure = as_bool(c, "pure_bf16", config.get("pure_bf16", False))
     rank = as_count(c, "lora_rank", config.get("lora_rank", 8))
 
