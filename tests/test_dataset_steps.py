@@ -53,8 +53,8 @@ def runs(point, shapes):
     return shapes, both_backends(point, shapes)
 
 
-@pytest.mark.parametrize("family", [[], ["model=qwen3_vl_tiny"], ["model=llava_tiny"]],
-                         ids=["qwen2_vl", "qwen3_vl", "llava"])
+@pytest.mark.parametrize("family", [[], ["model=qwen3_vl_tiny"], ["model=llava_tiny"], ["data.packing=true"]],
+                         ids=["qwen2_vl", "qwen3_vl", "llava", "qwen2_vl_packed"])
 def test_the_estimate_equals_the_cpu_backend_step_by_step_to_the_byte(point, shapes, family):
     rows = both_backends(point, shapes, *family)
     estimate, cpu = rows["estimate"], rows["cpu"]
@@ -71,13 +71,21 @@ def test_the_longer_batchs_step_has_the_higher_allocated_peak(runs):
     steps = rows["estimate"]["steps"]
     # by hand (smart_resize to multiples of 28 px, one token per 28 x 28 px, vision_start / end around each image):
     # step 1: 20 + 16 (112 x 112) + 2 and 30 + 6 (56 x 84) + 2 = 38; step 2: 80 + 48 (224 x 168) + 2 = 130 beside
-    # 60 + 20 + 1 + 4 = 85; step 3: 150 + 2 x 96 + 4 = 346 beside 40
+    # 60 + 20 (112 x 140) + 4 (56 x 56) + 4 = 88; step 3: 150 + 2 x 96 + 4 = 346 beside 40
     lengths = [s["padded_length"] for s in steps]
     assert lengths == [38, 130, 346]
     peaks = [s["peak_allocated_bytes"] for s in steps]
     assert peaks[0] < peaks[1] < peaks[2]
     assert rows["estimate"]["peak_allocated_bytes"] == max(peaks)  # the row's peak is the run's
     assert steps[2]["images"] == "336x224 336x224" and steps[2]["image_tokens"] == 192
+
+
+def test_a_packed_micro_batch_is_one_row_of_its_samples_and_needs_less_than_padding_them(point, shapes):
+    padded = both_backends(point, shapes)["estimate"]["steps"]
+    packed = both_backends(point, shapes, "data.packing=true")["estimate"]["steps"]
+    assert [s["padded_length"] for s in packed] == [38 + 38, 130 + 88, 346 + 40]  # the samples' tokens, end to end
+    # step 3 pads the 40-token sample to 346 and masks it: packed, 306 fewer tokens and no (2, 1, 346, 346) mask
+    assert packed[2]["peak_allocated_bytes"] < padded[2]["peak_allocated_bytes"]
 
 
 def test_a_capacity_the_third_batch_exceeds_ends_the_run_at_step_3_with_that_batch_named(runs, point):
@@ -112,7 +120,7 @@ def test_a_sweep_writes_steps_csv_and_steps_png(cli, shapes, tmp_path):
 @pytest.mark.parametrize("extra, words", [
     (["model=nanovlm_tiny"], "model=nanovlm_tiny is not allowed with data.source"),
     (["step=grpo", "step.num_generations=2"], "step=grpo is not allowed with data.source"),
-    (["data.packing=true"], "data.packing=true is not allowed"),
+    (["model=llava_tiny", "data.packing=true"], "data.packing=true is not allowed for llava_tiny"),
     (["data.image_size=224"], "data.image_size=224 is not allowed with data.source"),
     (["data.sampler=shuffled"], "data.sampler='shuffled' is not allowed: use one of random, group_by_length"),
     (["data.steps=0"], "data.steps=0 is not allowed"),

@@ -126,13 +126,13 @@ def check_step(cfg: dict, data, spec):
 
 
 def check_source(cfg: dict, data, spec) -> None:
-    """data.source (vlmprobe.point.dataset_steps): what runs it now (a family of DATASET_FAMILIES, sft, no
-    packing), the settings it makes unused, the sampler, and the dataset itself (read here: a missing image or
+    """data.source (vlmprobe.point.dataset_steps): what runs it now (a family of DATASET_FAMILIES, sft; packed
+    where the family packs: ModelSpec.validate), the settings it makes unused, the sampler, and the dataset itself (read here: a missing image or
     an empty dataset is one line before anything is built)."""
     if data.source is None:
         return
     supported = (f"{' / '.join(DATASET_FAMILIES.values())} (qwen2_vl_*, qwen2_5_vl_*, qwen3_vl_8b, qwen3_vl_tiny, "
-                 f"llava_1_5_7b, llava_tiny, hf), step=sft, data.packing=false")
+                 f"llava_1_5_7b, llava_tiny, hf), step=sft")
     family = getattr(spec, "config_class", None)
     if family not in DATASET_FAMILIES or not callable(getattr(spec, "dataset_batch", None)):
         raise ConfigError(f"model={cfg['model'].get('name', '?')} is not allowed with data.source: a dataset's "
@@ -140,9 +140,6 @@ def check_source(cfg: dict, data, spec) -> None:
     if cfg["step"]["name"] != "sft":
         raise ConfigError(f"step={cfg['step']['name']} is not allowed with data.source: a dataset's batches run "
                           f"for step=sft for now ({supported})")
-    if data.packing:
-        raise ConfigError(f"data.packing=true is not allowed with data.source: a dataset's batches are padded, not "
-                          f"packed, for now ({supported}); use data.packing=false")
     if data.image_size is not None:
         raise ConfigError(f"data.image_size={data.image_size} is not allowed with data.source: each image keeps its "
                           f"own size from the dataset; use null")

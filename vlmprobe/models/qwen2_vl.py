@@ -405,7 +405,8 @@ class Qwen2VLSpec(ModelSpec):
         "right"). M-RoPE positions are those of get_rope_index given the mask: the sample's own, 0 at the pads.
         ConfigError where a sample's images and their markers do not fit its tokens. The caller holds fake tensors'
         constant limit over the batch's tokens and patches (vlmprobe.point.dataset_steps.constant_limit), as
-        `collated` holds it for batch()."""
+        `collated` holds it for batch(). With data.packing the samples are not padded but packed end to end into
+        one row of their tokens together (ms-swift's --padding_free / --packing rows, vlmprobe.models.packing)."""
         ids = self.token_ids
         merge, patch = self.vision["spatial_merge_size"], self.vision["patch_size"]
         low, high = self.pixel_bounds(data)
@@ -430,17 +431,27 @@ class Qwen2VLSpec(ModelSpec):
             types += [0] * n_text
             layout.append(("text", n_text))
             labels = [IGNORE_INDEX if t or i in (start, end) else i for i, t in zip(input_ids, types)]
-            padding = padded_length - tokens
+            padding = 0 if data.packing else padded_length - tokens
             rows_ids.append(input_ids + [pad] * padding)
             rows_labels.append(labels + [IGNORE_INDEX] * padding)
             rows_types.append(types + [0] * padding)
             rows_mask.append([1] * tokens + [0] * padding)
             rows_positions.append([row + [0] * padding for row in mrope_position_ids(layout)])
         patch_values = self.vision["in_channels"] * self.vision["temporal_patch_size"] * patch**2
-        batch = {"input_ids": constant_tensor(rows_ids, device), "labels": constant_tensor(rows_labels, device),
-                 "attention_mask": constant_tensor(rows_mask, device),
-                 "mm_token_type_ids": constant_tensor(rows_types, device),
-                 "position_ids": constant_tensor([[p[axis] for p in rows_positions] for axis in range(3)], device)}
+        if data.packing:  # the samples end to end in one row, no mask; positions (4, 1, N): a text row restarting
+            # at each sample over each sample's M-RoPE rows (vlmprobe.models.packing; ms-swift's padding_free)
+            text = [i for tokens in (len(r) for r in rows_ids) for i in range(tokens)]
+            joined = [[sum((p[axis] for p in rows_positions), [])] for axis in range(3)]
+            batch = {"input_ids": constant_tensor([sum(rows_ids, [])], device),
+                     "labels": constant_tensor([sum(rows_labels, [])], device),
+                     "mm_token_type_ids": constant_tensor([sum(rows_types, [])], device),
+                     "position_ids": constant_tensor([[text], *joined], device)}
+        else:
+            batch = {"input_ids": constant_tensor(rows_ids, device), "labels": constant_tensor(rows_labels, device),
+                     "attention_mask": constant_tensor(rows_mask, device),
+                     "mm_token_type_ids": constant_tensor(rows_types, device),
+                     "position_ids": constant_tensor([[p[axis] for p in rows_positions] for axis in range(3)],
+                                                     device)}
         if grids:
             batch.update({
                 "image_grid_thw": constant_tensor([[1, rows, cols] for rows, cols in grids], device),

@@ -15,9 +15,9 @@ reserved over its forward and backward (the step's optimizer update counted in i
 num_alloc_retries so far, and its status; an out-of-memory ends the run there, its record `oom`. The records leave
 the point under the row's `steps` key and become steps.csv (vlmprobe.run.sweep).
 
-Limits: the families of vlmprobe.config.checks.DATASET_FAMILIES, step=sft, padded batches (no packing), images
-only; a real DataLoader prefetches the next batches (their host copies are not on the device; pin_memory is not
-modelled).
+Limits: the families of vlmprobe.config.checks.DATASET_FAMILIES, step=sft, padded batches or, with data.packing,
+one row of the micro batch's samples (Qwen2-VL, Qwen2.5-VL); images only; a real DataLoader prefetches the next
+batches (their host copies are not on the device; pin_memory is not modelled).
 """
 
 from __future__ import annotations
@@ -84,9 +84,10 @@ class DatasetRun:
     """The planned micro batches of one point, run in its session; `records` fills as they run (an out-of-memory
     leaves those before it and its own)."""
 
-    def __init__(self, samples: list, planned: list[StepBatch], world: int = 1):
+    def __init__(self, samples: list, planned: list[StepBatch], world: int = 1, packing: bool = False):
         self.samples = {s.index: s for s in samples}
         self.planned = planned
+        self.packing = packing  # the micro batch is one row of its samples' tokens (its "padded length")
         self.world = world  # ranks the batches were dealt to (the note names this one's where there are several)
         self.records: list[dict] = []
         self.notes = sample_notes(samples)
@@ -149,7 +150,8 @@ class DatasetRun:
         longest = max(range(len(planned.tokens)), key=lambda i: planned.tokens[i])
         return {"step": planned.step + 1, "micro": planned.micro, "rank": planned.rank,
                 "samples": " ".join(map(str, planned.indices)), "longest_tokens": planned.tokens[longest],
-                "padded_length": planned.padded_length, "image_tokens": sum(planned.image_tokens),
+                "padded_length": sum(planned.tokens) if self.packing else planned.padded_length,
+                "image_tokens": sum(planned.image_tokens),
                 "images": " ".join(f"{h}x{w}" for h, w in planned.images),
                 "longest_images": [list(size) for size in self.samples[planned.indices[longest]].images]}
 
@@ -183,7 +185,8 @@ def gather_ranks(rows: dict[int, dict]) -> dict:
         return {}
     out = [r for r in ranks if rows[r].get("status") == Status.OOM]
     top = out[0] if out else max(ranks, key=lambda r: (rows[r].get("peak_allocated_bytes") or 0, -r))
-    return {"steps": [record for r in ranks for record in rows[r]["steps"]], "dataset_steps": rows[top].get("dataset_steps")}
+    return {"steps": [record for r in ranks for record in rows[r]["steps"]],
+            "dataset_steps": rows[top].get("dataset_steps")}
 
 
 def closed(clock: PhaseClock, meter, phase: str, window: dict) -> None:

@@ -80,7 +80,7 @@ def measure_once(point: dict, replay_blocks: bool) -> dict:
     report = StepReport()
     out: dict = {"backend": backend.name, "status": Status.OK}
     card = device_profile.from_config(point.get("device"))  # the target card, or None
-    dataset = (DatasetRun(*plan_dataset(point, spec, data, rank()), world=world_size(point))
+    dataset = (DatasetRun(*plan_dataset(point, spec, data, rank()), world=world_size(point), packing=data.packing)
                if data.source is not None else None)
     with session(backend, point, card) as meter, contextlib.ExitStack() as host_memory:
         loaded, held = None, {}
