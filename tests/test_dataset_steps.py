@@ -174,9 +174,12 @@ def test_a_point_run_again_on_resume_leaves_its_steps_once(tmp_path):
     assert table[["point_id", "step", "status"]].values.tolist() == [["b", 1, "ok"], ["a", 1, "ok"], ["a", 2, "ok"]]
 
 
-def test_check_estimate_compares_two_runs_step_by_step(cli, shapes, tmp_path):
-    steps = {b: ranks_steps(cli, shapes, tmp_path, b) for b in ("estimate", "cpu")}
-    assert len(steps["cpu"]) == 3
-    table = load_script("check_estimate").step_by_step(tmp_path / "cpu_steps.csv", tmp_path / "estimate_steps.csv")
+def test_check_estimate_compares_two_runs_step_by_step(runs, tmp_path):
+    _, rows = runs
+    for backend in ("estimate", "cpu"):  # each run's steps.csv as a sweep writes it
+        (tmp_path / backend).mkdir()
+        append_steps_csv(tmp_path / backend, "default", rows[backend]["steps"])
+    check = load_script("check_estimate")
+    table = check.step_by_step(tmp_path / "cpu" / "steps.csv", tmp_path / "estimate" / "steps.csv")
     assert table["step"].tolist() == [1, 2, 3]
     assert (table["rel_error_%"] == 0).all() and (table["reserved rel_error_%"] == 0).all()
