@@ -126,7 +126,8 @@ DESCRIPTIONS = {
     "error": "why a row is not `ok`: the message (an `oom` row's: CUDA's out-of-memory message) or traceback tail",
     # ranks.csv only
     "rank": "the rank the row is of",
-    "simulated_as": "estimate: the rank whose simulation stands for this one (empty: run itself)",
+    "simulated_as": "the rank whose simulation stands for this one (estimate; cpu and cuda with `dist.ranks=simulate`, "
+                    "on one device on a fake process group); empty: run itself in a launched job",
 }
 
 

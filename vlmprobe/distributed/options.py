@@ -1,4 +1,13 @@
-"""Validate a point's `dist` config before any heavy work: one ConfigError line per bad value."""
+"""Validate a point's `dist` config before any heavy work: one ConfigError line per bad value; and how a point's
+ranks run (`ranks_mode`, dist.ranks).
+
+dist.ranks: the estimate always simulates one rank per group of identical ranks on a fake process group. On cpu
+and cuda, `launch` runs the N ranks as a torchrun job (one GPU each on cuda), `simulate` runs the ranks the
+estimate would pick, one after another, on this one device with a fake group (real kernels, allocator and engine;
+collectives move no data), and `auto` launches on cpu (as before the option) and on cuda where the job has a GPU
+per rank, and simulates where it has not. Known limit of `simulate`: a rank's row has no communication library's
+buffers (NCCL's) and no communication time.
+"""
 
 from __future__ import annotations
 
@@ -11,12 +20,14 @@ from omegaconf import OmegaConf
 from vlmprobe.errors import ConfigError
 from vlmprobe.paths import CONF
 
-__all__ = ["DEEPSPEED_ENGINES", "deepspeed_notice", "read_deepspeed_config", "skip_reason", "unchecked_keys", "validate"]
+__all__ = ["DEEPSPEED_ENGINES", "RANK_MODES", "deepspeed_notice", "ranks_mode", "read_deepspeed_config",
+           "skip_reason", "unchecked_keys", "validate"]
 
 TORCH_ENGINES = ("none", "ddp", "fsdp2")
 DEEPSPEED_ENGINES = ("zero1", "zero2", "zero3")
 OFFLOAD_DEVICES = ("none", "cpu")
 MP_DTYPES = (None, "float32", "bfloat16", "float16")
+RANK_MODES = ("auto", "launch", "simulate")  # dist.ranks (module docstring)
 # Top-level keys of a user's DeepSpeed JSON whose memory a run here follows (DeepSpeed reads them on the fake
 # process groups as on GPUs: batch sizes, ZeRO, precision, the optimizer; the scheduler holds no device memory),
 # or that hold none (logging, monitoring, progress). Any other key still reaches DeepSpeed, but what it does to
@@ -51,6 +62,13 @@ def validate(dist: dict, backend: str, find, visible_gpus) -> None:
                           f"a multiple of ranks_per_node (whole nodes) or at most one node")
     if name == "none":
         return
+    mode = dist.get("ranks", "auto")
+    if mode not in RANK_MODES:
+        raise ConfigError(f"dist.ranks={mode!r} is not allowed: use auto, launch (N processes) or simulate (each "
+                          f"distinct rank on one device)")
+    if mode == "launch" and backend == "estimate":
+        raise ConfigError("dist.ranks=launch is not allowed with backend estimate: the estimate simulates the ranks; "
+                          "use auto or simulate, or backend cpu or cuda to launch them")
     if find:
         raise ConfigError(f"dist={name} is not allowed with +find=max_batch: the max-batch search runs one GPU "
                           f"(dist=none) only")
@@ -86,9 +104,21 @@ def validate(dist: dict, backend: str, find, visible_gpus) -> None:
                               f"deepspeed.zero.Init, as HF does at ZeRO-3) or false")
         if dist["deepspeed_config"] is not None:
             read_deepspeed_config(dist["deepspeed_config"])
-    if backend == "cuda" and world > (gpus := visible_gpus()):
-        raise ConfigError(f"dist.world_size={world} is not allowed with backend cuda: it needs {world} GPUs and "
-                          f"{gpus} are visible here (use backend estimate for any world size)")
+    if backend == "cuda" and mode == "launch" and world > (gpus := visible_gpus()):
+        raise ConfigError(f"dist.world_size={world} is not allowed with backend cuda and dist.ranks=launch: it needs "
+                          f"{world} GPUs and {gpus} are visible here (use dist.ranks=simulate to measure its ranks "
+                          f"one at a time on one GPU, or backend estimate)")
+
+
+def ranks_mode(dist: dict, backend: str, visible_gpus) -> str:
+    """How a validated distributed point's ranks run: "simulate" or "launch" (dist.ranks, auto decided: module
+    docstring). `visible_gpus()` is asked only for auto on cuda."""
+    mode = dist.get("ranks", "auto")
+    if backend == "estimate":
+        return "simulate"
+    if mode != "auto":
+        return mode
+    return "simulate" if backend == "cuda" and dist["world_size"] > visible_gpus() else "launch"
 
 
 def check_engine_name(dist: dict) -> None:

@@ -1,5 +1,11 @@
-"""One rank of a distributed point, measured in this process: on a fake process group (the estimate simulates a
-rank; collectives move no data), or as one process of a torchrun job (cpu: gloo, cuda: nccl).
+"""One rank of a distributed point, measured in this process: on a fake process group (a simulated rank:
+collectives move no data), or as one process of a torchrun job (cpu: gloo, cuda: nccl).
+
+A simulated rank runs on the point's device: fake CPU tensors for the estimate, real ones for cpu, the one GPU for
+cuda (dist.ranks=simulate). There every simulated rank is a rank of a one-GPU node: LOCAL_RANK 0, the device the
+process has, since DeepSpeed puts a rank's tensors on cuda:LOCAL_RANK (deepspeed 0.19.8 runtime/zero/
+partition_parameters.py Init.local_device, runtime/engine.py _configure_with_arguments); torch 2.13's DeviceMesh
+sets no device on a fake group (distributed/device_mesh.py _setup_world_group_and_device), so it is set here.
 
 A rank of a torchrun job writes its row to `rank<r>.json` beside the request. A rank that runs out of memory, or
 whose measurement raises, writes its `oom` or `error` row and exits at once with FAILED_EXIT: torchrun then stops
@@ -24,10 +30,14 @@ FAILED_EXIT = 75  # a rank's exit code after it wrote an `oom` or `error` row
 
 
 def simulate_rank(config: dict, rank: int) -> dict:
-    """Rank `rank`'s row, simulated in this process on a fake group; a failure is an `error` row."""
+    """Rank `rank`'s row, simulated in this process on a fake group on the point's device (module docstring); a
+    failure is an `error` row."""
     dist = config["dist"]
+    backend = backends.get(config["measure"]["backend"])
+    per_node = 1 if backend.device_type == "cuda" else dist["ranks_per_node"]  # cuda: the one GPU is LOCAL_RANK 0
     try:
-        with fake_group(rank, dist["world_size"], "cpu", dist["ranks_per_node"]):  # fake tensors are CPU tensors
+        backend.select_device(0)
+        with fake_group(rank, dist["world_size"], backend.device_type, per_node):  # estimate: fake CPU tensors
             return measure(config)
     except Exception as exc:
         return error_row(exc)

@@ -1,6 +1,11 @@
 """The ranks of a distributed point, from the sweep's side: which ranks differ, running them (one simulation per
 group of identical ranks, or a torchrun job), and their rows as the point's row and ranks.csv.
 
+The estimate always simulates; cpu and cuda simulate on their one device where dist.ranks says so
+(vlmprobe.distributed.options.ranks_mode), each rank in a child process of its own (a fresh interpreter on cuda:
+its own CUDA context and allocator). Such a rank's row says it was simulated as the estimate's does
+(`simulated_as` in ranks.csv) and, in its notes, what a real job has that it has not (SIMULATED_NOTE).
+
 Ranks that hold the same tensor shapes allocate the same bytes, so the estimate simulates one rank of each
 group of such ranks and gives its figures to every rank of the group. Under FSDP2 a rank's shapes are its
 shards: dim 0 of every parameter split with torch.chunk (FSDP2's Shard(0)); the all-gather and reduce-
@@ -18,6 +23,8 @@ import sys
 from pathlib import Path
 
 from vlmprobe import child
+from vlmprobe.backends import cuda
+from vlmprobe.distributed.options import ranks_mode
 from vlmprobe.point.build import parameter_shapes
 from vlmprobe.point.dataset_steps import gather_ranks
 from vlmprobe.point.measure import TAIL
@@ -29,7 +36,13 @@ from vlmprobe.states import Status
 
 RANK_KEY = ("point_id", "rank")  # what names a row of ranks.csv
 
-__all__ = ["RankWriter", "point_row", "rank_groups", "run_ranks", "shard_signature", "simulate_elsewhere"]
+__all__ = ["SIMULATED_NOTE", "RankWriter", "point_row", "rank_groups", "run_ranks", "shard_signature", "simulate",
+           "simulate_elsewhere"]
+
+# the notes of a rank simulated on a real device (cpu, cuda): not an estimate's figures, not a real job's either.
+# NCCL's own buffers are not estimated: their size depends on the channels and peers NCCL picks for the topology
+SIMULATED_NOTE = ("simulated on one device on a fake process group: collectives moved no data, NCCL's buffers are "
+                  "not counted, step_time_s has no communication")
 
 
 def shard_signature(shapes: list[tuple[int, ...]], rank: int, world_size: int) -> tuple:
@@ -62,32 +75,39 @@ def rank_groups(config: dict) -> list[list[int]]:
     return list(groups.values())
 
 
-def simulate(config: dict) -> dict[int, dict]:
+def simulate(config: dict, env: dict | None = None) -> dict[int, dict]:
     """Rank rows from one simulation per group of identical ranks on a fake process group. DeepSpeed keeps the
     process groups of its first initialize in module globals (deepspeed.utils.groups, deepspeed.comm's
     backend), which a later fake group cannot replace: each DeepSpeed rank is simulated in a child process
-    (simulate_elsewhere); the torch engines run in this one."""
+    (simulate_elsewhere); the estimate's torch engines run in this one. On cpu and cuda every rank runs in a
+    child (forked on cpu; on cuda a fresh interpreter with `env`, whose CUDA context and allocator are its own),
+    its notes saying what it leaves out (SIMULATED_NOTE)."""
     rows = {}
-    in_child = config["dist"]["name"].startswith("zero")
+    backend = config["measure"]["backend"]
+    measured = backend != "estimate"
+    in_child = measured or config["dist"]["name"].startswith("zero")
+    fork = child.FORKS and backend != "cuda"
     for group in rank_groups(config):
-        row = simulate_elsewhere(config, group[0]) if in_child else simulate_rank(config, group[0])
+        row = simulate_elsewhere(config, group[0], fork, env) if in_child else simulate_rank(config, group[0])
+        if measured:
+            row["notes"] = "; ".join(n for n in (row.get("notes"), SIMULATED_NOTE) if n)
         for rank in group:
             rows[rank] = {**row, "simulated_as": group[0]}
     return rows
 
 
-def simulate_elsewhere(config: dict, rank: int, fork: bool = child.FORKS) -> dict:
+def simulate_elsewhere(config: dict, rank: int, fork: bool = child.FORKS, env: dict | None = None) -> dict:
     """simulate_rank in a child process, whose DeepSpeed has not run yet. On Linux it is forked from this one,
     outside any estimate session (the session's patches and modes are on only inside measure()), so torch,
     transformers and the model code need not be imported again. Elsewhere (macOS's system libraries are not safe
     to use in a forked child) it is a fresh `python -m vlmprobe.point.worker --simulate-rank RANK`, the point's
-    config on stdin."""
+    config on stdin, in `env` (None: this process's environment)."""
     timeout = config["measure"]["timeout_s"]
     if fork:
         code, stdout, stderr = child.run_forked(lambda: print_row(simulate_rank(config, rank)), timeout)
     else:
         command = [sys.executable, "-m", "vlmprobe.point.worker", "--simulate-rank", str(rank)]
-        code, stdout, stderr = child.run(command, json.dumps(config), None, timeout)
+        code, stdout, stderr = child.run(command, json.dumps(config), env, timeout)
     if code is None:
         return {"status": Status.TIMEOUT, "error": f"rank {rank}'s simulation gave no result after {timeout} s"}
     row = last_row(stdout)
@@ -133,10 +153,14 @@ def point_row(rows: dict[int, dict], world_size: int, backend: str,
 
 def run_ranks(config: dict, env: dict) -> dict:
     """Outputs of a point with world_size ranks, with its rank rows under "ranks": simulated per group of
-    identical ranks (estimate), or N real processes through torchrun (cpu: gloo, cuda: nccl)."""
+    identical ranks (estimate; cpu and cuda where dist.ranks says so, in `env`), or N real processes through
+    torchrun (cpu: gloo, cuda: nccl)."""
     world = config["dist"]["world_size"]
-    if config["measure"]["backend"] == "estimate":
+    backend = config["measure"]["backend"]
+    if backend == "estimate":
         rows, failure = simulate(config), None
+    elif ranks_mode(config["dist"], backend, cuda.device_count) == "simulate":
+        rows, failure = simulate(config, env), None
     else:
         rows, failure = launch(config, env, config["measure"]["timeout_s"])
         for row in rows.values():
