@@ -6,9 +6,13 @@ sweep and (3) the 100-point grid100 sweep, each under launcher=local, launcher=p
 usable cores), (4) one qwen2_vl_7b FSDP2 point and one ZeRO-3 point at world size 8 (all ranks alike, so one rank is
 simulated), and
 (5) one qwen2_5_vl_7b GRPO step, each as `python -m vlmprobe ... measure.backend=estimate` in a subprocess,
+and (6) the smoke sweep on the cpu backend under launcher=local, in the sweep process and in a fresh worker per
+point (measure.isolate=true), forked from the sweep or spawned (`python -m vlmprobe.point.worker`, as where
+vlmprobe.run.workers.fork_refusal refuses a fork: child.FORKS set false in the sweep process),
 and prints a table: step time (the row's step_time_s), wall time
 and the subprocess's peak RSS (under pool and auto: the sweep process's own, not its workers'), then the
-ratios of each sweep's wall times, local / pool and local / auto.
+ratios of each sweep's wall times, local / pool and local / auto, and what a fresh worker adds to a point, forked
+and spawned.
 
     python scripts/bench_estimate.py [NAME_PART]   # e.g. fsdp2: only the cases whose name contains it
 """
@@ -52,14 +56,25 @@ CASES = [
      ["model=qwen2_5_vl_7b", "step=grpo", "step.num_generations=4", "step.max_completion_length=512",
       "data.batch_size=4", "train.param_dtype=bfloat16", "train.autocast_dtype=null", "measure.steps=1"],
      {"wall_s": 60.0}),
+    # issue 52: a fresh worker per point (cuda's way), forked from the sweep or spawned; no target, a comparison
+    ("smoke (4 points) cpu, in the sweep process", ["+sweep=smoke", "measure.backend=cpu", "launcher=local"], {}),
+    ("smoke (4 points) cpu, isolate, forked workers",
+     ["+sweep=smoke", "measure.backend=cpu", "measure.isolate=true", "launcher=local"], {}),
+    ("smoke (4 points) cpu, isolate, spawned workers",
+     ["+sweep=smoke", "measure.backend=cpu", "measure.isolate=true", "launcher=local"], {}, "spawned"),
 ]
+# `python -m vlmprobe` with every point's worker spawned: no fork (vlmprobe.run.workers.fork_refusal)
+SPAWNING = ("import runpy; from vlmprobe import child; child.FORKS = False; "
+            "runpy.run_module('vlmprobe', run_name='__main__', alter_sys=True)")
 
 
-def run(args: list[str]) -> dict:
+def run(args: list[str], spawned: bool = False) -> dict:
+    """The case `args` (measure.backend=estimate unless they say otherwise); `spawned`: no worker is forked."""
     with tempfile.TemporaryDirectory() as tmp, open(Path(tmp) / "stderr", "w+") as err:
         started = time.perf_counter()
-        proc = subprocess.Popen([sys.executable, "-m", "vlmprobe", *args, "measure.backend=estimate",
-                                 f"results_dir={tmp}"], stdout=subprocess.DEVNULL, stderr=err)
+        command = ["-c", SPAWNING] if spawned else ["-m", "vlmprobe"]
+        proc = subprocess.Popen([sys.executable, *command, "measure.backend=estimate", *args, f"results_dir={tmp}"],
+                                stdout=subprocess.DEVNULL, stderr=err)
         _, status, usage = os.wait4(proc.pid, 0)  # this child's own rusage: ru_maxrss in KiB on Linux
         wall = time.perf_counter() - started
         if os.waitstatus_to_exitcode(status) != 0:
@@ -73,11 +88,11 @@ def run(args: list[str]) -> dict:
 def main() -> None:
     chosen = sys.argv[1] if len(sys.argv) > 1 else ""  # run only the cases whose name contains this
     rows = []
-    for name, args, targets in CASES:
+    for name, args, targets, *how in CASES:
         if chosen not in name:
             continue
-        measured = run(args)
-        verdict = all(measured[k] is not None and measured[k] <= v for k, v in targets.items())
+        measured = run(args, spawned="spawned" in how)
+        verdict = all(measured[k] is not None and measured[k] <= v for k, v in targets.items()) if targets else None
         rows.append({"case": name, **{k: round(v, 2) if isinstance(v, float) else v for k, v in measured.items()},
                      "targets": ", ".join(f"{k} <= {v}" for k, v in targets.items()), "meets": verdict})
     print(pd.DataFrame(rows).to_markdown(index=False))
@@ -89,6 +104,13 @@ def main() -> None:
             if local and wall:
                 print(f"\n{sweep} wall time, local / {other}: {local / wall:.2f} "
                       f"({other}: {len(os.sched_getaffinity(0))} jobs, launcher.jobs=null)")
+    per_point = {row["case"].rpartition(", ")[2]: row["wall_s"] / row["points"] for row in rows
+                 if row["case"].startswith("smoke (4 points) cpu")}
+    if {"forked workers", "spawned workers"} <= per_point.keys():
+        print(f"\nsmoke on cpu, launcher=local, wall seconds a point: "
+              + ", ".join(f"{how} {seconds:.2f}" for how, seconds in per_point.items())
+              + f"; a spawned worker costs {per_point['spawned workers'] - per_point['forked workers']:.2f} s a point "
+                f"more than a forked one (a forked worker runs torch on one thread: vlmprobe.child._as_child)")
     print("\nrss_gib: peak resident set of the vlmprobe process (GiB, 1024^3 B); step_time_s: slowest point's last step "
           "(a replayed step where the estimate replays the steps after the first: vlmprobe/estimate/replay/steps.py).")
 

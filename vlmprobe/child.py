@@ -7,12 +7,13 @@ the sweep's group, so the sweep ends the child's group itself before the interru
 started from other threads (launcher=pool) cannot see the Ctrl-C, which reaches the main thread only: they
 are registered in a `Children`, whose kill() the main thread calls.
 
-A child is a command (`run`, `start`), or a function run in a copy of this process (`run_forked`, `start_forked`:
-what this process has imported, it need not import again).
+A child is a command (`run`, `start`), or a function run in a copy of this process (`run_forked`, `start_forked`,
+`run_as_command`: what this process has imported, it need not import again).
 """
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import ctypes
 import faulthandler
@@ -20,10 +21,11 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 
-__all__ = ["Children", "FORKS", "die_with_parent", "kill_group", "run", "run_forked", "start", "start_forked",
-           "while_waiting"]
+__all__ = ["Children", "FORKS", "die_with_parent", "kill_group", "run", "run_as_command", "run_forked", "start",
+           "start_forked", "while_waiting"]
 
 
 # Where a child may be a fork of this process without exec: Linux. (macOS's system libraries are not safe to use
@@ -101,9 +103,9 @@ _while_waiting: list = []
 
 
 def while_waiting(fn) -> None:
-    """Call fn() once, the next time this process waits on a child of run_forked: the sweep imports what its
-    report needs (the plotting library: ~0.6 s here) on the core the child leaves idle, rather than after the
-    last point. It runs after the fork, so the child never copies a half-made module."""
+    """Call fn() once, the next time this process waits on a child of run_forked or run_as_command: the sweep
+    imports what its report needs (the plotting library: ~0.6 s here) on the core the child leaves idle, rather
+    than after the last point. It runs after the fork, so the child never copies a half-made module."""
     _while_waiting.append(fn)
 
 
@@ -122,9 +124,7 @@ def run_forked(target, timeout: float | None) -> tuple[int | None, str, str]:
     proc.start()
     grouped.close()
     try:
-        while _while_waiting:
-            with contextlib.suppress(Exception):  # an import that fails fails again where its user says so
-                _while_waiting.pop()()
+        _run_while_waiting()
         with contextlib.suppress(EOFError):  # EOF: it died before saying so
             ready.recv()  # it leads its own group now: kill_group reaches everything it starts
         proc.join(timeout)
@@ -145,6 +145,12 @@ def run_forked(target, timeout: float | None) -> tuple[int | None, str, str]:
         ready.close()
         for file in files:
             file.close()
+
+
+def _run_while_waiting() -> None:
+    while _while_waiting:
+        with contextlib.suppress(Exception):  # an import that fails fails again where its user says so
+            _while_waiting.pop()()
 
 
 def _freeze_before_fork() -> None:
@@ -191,7 +197,8 @@ def _as_child(streams: dict[int, int]) -> None:
 
 class Forked:
     """What start() gives of a command, for a function run in a forked child (start_forked): its pid (it leads a
-    group of its own), text pipes to its standard streams, returncode, poll() and wait()."""
+    group of its own), text pipes to its standard streams (None under run_as_command), returncode, poll() and
+    wait()."""
 
     def __init__(self, pid: int, stdin, stdout, stderr):
         self.pid, self.stdin, self.stdout, self.stderr = pid, stdin, stdout, stderr
@@ -224,6 +231,81 @@ def start_forked(target, env: dict, children: Children | None = None) -> Forked:
     torch or an estimate session: the child is a copy of this process as it stands (vlmprobe.run.pool forks its
     workers so). The child ends when target returns (0), raises (1, the traceback on stderr) or exits."""
     ends = [os.pipe() for _ in range(3)]  # stdin, stdout, stderr: (read, write) each
+    pid = _fork(target, env, {0: ends[0][0], 1: ends[1][1], 2: ends[2][1]}, [end for pair in ends for end in pair])
+    for end in (ends[0][0], ends[1][1], ends[2][1]):
+        os.close(end)
+    proc = Forked(pid, open(ends[0][1], "w"), open(ends[1][0]), open(ends[2][0]))
+    if children is not None:
+        children.add(proc)
+    return proc
+
+
+def run_as_command(target, stdin: str, env: dict, timeout: float | None,
+                   children: Children | None = None) -> tuple[int | None, str, str]:
+    """run() for `target()` (which returns an exit code) run as a command would run it, in a child forked from
+    this process (start_forked's): `stdin` on its standard input, `env` as its environment, in a session of its
+    own, registered in `children` while it runs. What is not the child's own is dropped first: the parent's exit
+    handlers (they end the parent's resources; those registered in the child run when target returns, as an
+    interpreter runs them at exit) and its Ctrl-C and SIGTERM handlers (Python's defaults instead). The child ends
+    with os._exit: a library's C-level teardown at exit (CUDA's) does not run there. (exit code: target's, 1 if
+    it raised, with the traceback on stderr, negative for a signal; None if it outlived `timeout` and was killed
+    with its group; stdout; stderr)."""
+    files = [tempfile.TemporaryFile("w+") for _ in range(3)]  # stdin, stdout, stderr: no pipe to fill up
+    try:
+        files[0].write(stdin)
+        files[0].flush()
+        files[0].seek(0)
+        pid = _fork(lambda: _as_command(target), env, {fd: file.fileno() for fd, file in enumerate(files)}, [])
+        proc = Forked(pid, None, None, None)
+        if children is not None:
+            children.add(proc)
+        reaper = threading.Thread(target=proc.wait, name="vlmprobe-wait-fork", daemon=True)
+        reaper.start()
+        try:
+            _run_while_waiting()
+            reaper.join(timeout)
+            if reaper.is_alive():  # not reaped: its pid (and group id) is still its own
+                kill_group(proc)
+                reaper.join()
+                code = None
+            else:
+                code = proc.returncode
+        except BaseException:  # Ctrl-C in the sweep, as in run()
+            if proc.returncode is None:
+                kill_group(proc)
+            reaper.join()
+            raise
+        finally:
+            if children is not None:
+                children.discard(proc)
+        outputs = []
+        for file in files[1:]:
+            file.seek(0)
+            outputs.append(file.read())
+        return code, outputs[0], outputs[1]
+    finally:
+        for file in files:
+            file.close()
+
+
+def _as_command(target) -> None:
+    """In run_as_command's child: target() with a fresh interpreter's exit and signal handling."""
+    atexit._clear()  # the parent's exit handlers (CPython's atexit module): not this child's to run
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    try:
+        code = target()
+    finally:
+        atexit._run_exitfuncs()  # the ones registered here, as an interpreter runs them at its exit
+    raise SystemExit(code)
+
+
+def _fork(target, env: dict, streams: dict[int, int], inherited: list[int]) -> int:
+    """The pid of a child forked from this process that runs `target()` with `env` as its environment and
+    standard stream N on file descriptor streams[N], in a session of its own (it leads its group once this
+    returns), dying with this process; `inherited`: descriptors the child closes once its streams are set. It
+    ends when target returns (0), raises SystemExit (its code), raises anything else (1, the traceback on
+    stderr) or is killed."""
     grouped_r, grouped_w = os.pipe()
     _freeze_before_fork()
     parent = os.getpid()
@@ -236,8 +318,8 @@ def start_forked(target, env: dict, children: Children | None = None) -> Forked:
             os.close(grouped_w)  # the parent reads EOF: this child leads its own group now
             os.environ.clear()
             os.environ.update(env)
-            _as_child({0: ends[0][0], 1: ends[1][1], 2: ends[2][1]})
-            for end in (*ends[0], *ends[1], *ends[2], grouped_r):
+            _as_child(streams)
+            for end in (*inherited, grouped_r):
                 os.close(end)
             target()
             code = 0
@@ -252,14 +334,10 @@ def start_forked(target, env: dict, children: Children | None = None) -> Forked:
                 sys.stdout.flush()
                 sys.stderr.flush()
             os._exit(code)
-    for end in (ends[0][0], ends[1][1], ends[2][1], grouped_w):
-        os.close(end)
+    os.close(grouped_w)
     with open(grouped_r, "rb") as grouped:
         grouped.read()  # until the child has its own group (or died): kill_group reaches everything it starts
-    proc = Forked(pid, open(ends[0][1], "w"), open(ends[1][0]), open(ends[2][0]))
-    if children is not None:
-        children.add(proc)
-    return proc
+    return pid
 
 
 def die_with_parent(parent: int | None = None) -> None:

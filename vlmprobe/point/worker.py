@@ -22,7 +22,7 @@ from vlmprobe import backends
 from vlmprobe.point.measure import error_row, measure
 from vlmprobe.point.rank import run_rank, simulate_rank
 
-__all__ = ["RAISED", "ROW_PREFIX", "last_row", "print_row", "serve"]
+__all__ = ["RAISED", "ROW_PREFIX", "last_row", "print_row", "run_command", "serve"]
 
 ROW_PREFIX = "VLMPROBE_ROW "
 RAISED = 3  # exit code when the measurement raised: the sweep records status `error` with the traceback
@@ -66,10 +66,15 @@ def main(argv: list[str]) -> int:
     return 0
 
 
-if __name__ == "__main__":
+def run_command(argv: list[str]) -> int:
+    """What `python -m vlmprobe.point.worker ARGV` exits with: main's code, or RAISED with the traceback on stderr
+    where it raised. Also what a worker forked from the sweep runs (vlmprobe.run.workers.call_worker)."""
     try:
-        code = main(sys.argv[1:])
+        return main(argv)
     except Exception:
         traceback.print_exc()
-        code = RAISED
-    sys.exit(code)
+        return RAISED
+
+
+if __name__ == "__main__":
+    sys.exit(run_command(sys.argv[1:]))

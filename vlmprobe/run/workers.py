@@ -4,23 +4,39 @@ exit) a `crash` row, one that outlives measure.timeout_s a `timeout` row.
 
 A fresh worker per point (`call_worker`) where the backend needs one (cuda: allocator state must not leak between
 points) or measure.isolate=true; otherwise launcher=pool keeps long-lived ones (`ServingWorker`).
+
+A fresh worker is forked from this process (torch, transformers and the model code are imported already: no
+interpreter to start) where that gives what `python -m vlmprobe.point.worker` would (`fork_refusal`): on Linux
+(child.FORKS), from the main thread (the pool's threads fork nothing: another thread may be inside an import or
+a lock the child would need), while CUDA has not started here (a forked child cannot use a CUDA driver its parent
+started: torch/cuda/__init__.py 2.13, is_available's "poison fork" note), and with the allocator settings torch
+read when this process imported it (its CUDA library reads PYTORCH_ALLOC_CONF as it loads: BackendStaticInitializer
+in c10/cuda/CUDACachingAllocator.cpp, read in PyTorch's main-branch source, which the wheel does not ship).
+Otherwise, and elsewhere, it is spawned. Known limits: the sweep's own check for a GPU (torch.cuda.is_available)
+starts the CUDA driver unless PYTORCH_NVML_BASED_CUDA_CHECK=1, so cuda points are spawned unless that is set; a
+forked child runs torch on one CPU thread (vlmprobe.child) and skips C-level teardown at exit (os._exit), where a
+spawned one can die in it after its row; not yet run on a GPU.
 """
 
 from __future__ import annotations
 
 import collections
+import ctypes
 import json
 import os
 import queue
 import sys
 import threading
 
+import torch
+
 from vlmprobe import backends, child
 from vlmprobe.point.measure import TAIL
-from vlmprobe.point.worker import RAISED, ROW_PREFIX, last_row, serve
+from vlmprobe.point.worker import RAISED, ROW_PREFIX, last_row, run_command, serve
 from vlmprobe.states import Status
 
-__all__ = ["ServingWorker", "allocator_settings", "call_worker", "describe_backend", "isolated", "worker_env"]
+__all__ = ["CUDA_DRIVER", "ServingWorker", "allocator_settings", "call_worker", "cuda_started", "describe_backend",
+           "fork_refusal", "isolated", "worker_env"]
 
 
 def isolated(config: dict) -> bool:
@@ -48,11 +64,62 @@ def allocator_settings(env: dict) -> tuple:
     return tuple(env.get(k) for k in ALLOC_CONF_VARS)
 
 
+# The allocator settings torch read from this process's environment: torch is imported above, and its CUDA
+# library parsed them as it loaded; a forked child keeps them whatever its own environment says.
+TORCH_ALLOCATOR_SETTINGS = allocator_settings(os.environ)
+CUDA_DRIVER = "libcuda.so.1"  # the name the CUDA runtime and torch open the driver by
+CUDA_ERROR_NOT_INITIALIZED = 3  # cuda.h: what the driver answers before cuInit
+
+
+def cuda_driver():
+    """The CUDA driver library where this process has loaded it, else None (RTLD_NOLOAD: this never loads it)."""
+    try:
+        return ctypes.CDLL(CUDA_DRIVER, mode=os.RTLD_NOLOAD | os.RTLD_LAZY)
+    except OSError:
+        return None
+
+
+def cuda_started() -> bool:
+    """Whether CUDA may have started in this process: torch initialised it, or the driver it loaded answers a
+    device count (it answers CUDA_ERROR_NOT_INITIALIZED until cuInit, which torch.cuda.is_available calls without
+    torch counting CUDA as initialised). A driver that cannot say counts as started."""
+    if torch.cuda.is_initialized():
+        return True
+    driver = cuda_driver()
+    if driver is None:
+        return False
+    count = ctypes.c_int(0)
+    try:
+        answer = driver.cuDeviceGetCount(ctypes.byref(count))
+    except AttributeError:
+        return True
+    return answer != CUDA_ERROR_NOT_INITIALIZED
+
+
+def fork_refusal(env: dict) -> str | None:
+    """Why a fresh worker with environment `env` cannot be forked from this process now (module docstring), or
+    None where it can. Asked right before each fork: CUDA may start here between two points."""
+    if not child.FORKS:
+        return "this system's children are fresh interpreters (child.FORKS)"
+    if threading.current_thread() is not threading.main_thread():
+        return "not the main thread: another thread may hold an import or a lock the child would need"
+    if allocator_settings(env) != TORCH_ALLOCATOR_SETTINGS:
+        return "its allocator settings differ from those torch read when this process started"
+    if cuda_started():
+        return "CUDA has started in this process: a forked child could not use it"
+    return None
+
+
 def call_worker(request: dict, env: dict, timeout: float | None, children: child.Children | None = None) -> dict:
-    """Run `python -m vlmprobe.point.worker` on one request; its result, or a failed row. `children`: where a worker
-    started off the main thread is registered, so that a Ctrl-C can end it (launcher=pool)."""
-    code, stdout, stderr = child.run([sys.executable, "-m", "vlmprobe.point.worker"], json.dumps(request), env, timeout,
-                                     children)
+    """Run `python -m vlmprobe.point.worker` on one request, in a fork of this process where fork_refusal allows
+    (the same program on the same input: the same row), else spawned; its result, or a failed row. `children`:
+    where a worker started off the main thread is registered, so that a Ctrl-C can end it (launcher=pool)."""
+    if fork_refusal(env) is None:
+        code, stdout, stderr = child.run_as_command(lambda: run_command([]), json.dumps(request), env, timeout,
+                                                    children)
+    else:  # a fresh interpreter, which imports everything again (fork_refusal says why)
+        code, stdout, stderr = child.run([sys.executable, "-m", "vlmprobe.point.worker"], json.dumps(request), env,
+                                         timeout, children)
     if code is None:
         return {"status": Status.TIMEOUT, "error": f"no result after {timeout} s; stderr tail: {stderr[-TAIL:]}"}
     row = last_row(stdout)
