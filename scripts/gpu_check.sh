@@ -3,6 +3,10 @@
 #   results/gpu_check/<device>/<UTC stamp>/   (VLMPROBE_GPU_CHECK_DIR overrides it)
 # Steps (a failed step does not stop the later ones; the exit status is non-zero if any failed):
 #   1. cuda_tests       python -m pytest -m cuda (tests/test_cuda.py)
+#   1a. fork            the seq_len sweep on cuda twice: workers forked from the sweep (PYTORCH_NVML_BASED_CUDA_CHECK=1:
+#                       the sweep's GPU check starts no driver, vlmprobe/run/workers.py fork_refusal) and spawned;
+#                       the status table's seconds per part / 8 points is the cost of a point each way (issue 52:
+#                       3 s a point or less), and the two results dirs' byte columns must be equal
 #   2. nightly          scripts/nightly.sh on cuda: the seq_len and Qwen2-VL-2B image-size sweeps, the
 #                       nanoVLM finding check, the regression gate where a baseline exists
 #   3. estimate_vs_cuda scripts/check_estimate.py --cuda-dir on both sweeps: estimate vs measurement per point
@@ -47,13 +51,13 @@
 #  10. baseline         the first baseline of this device (results/baseline/<device>/<sweep>/) when none exists
 # Needs nothing but the installed project (pip install -e ".[test]") and a CUDA GPU; about 15 minutes on an H100.
 # In parts, where a command may run only so long (10 minutes through the device tool):
-#   VLMPROBE_GPU_CHECK_ONLY="cuda_tests nightly"   the named steps of 1, 2, 5, 6, 7, 8, 8a-8d, 9 only, each with the steps
+#   VLMPROBE_GPU_CHECK_ONLY="cuda_tests nightly"   the named steps of 1, 1a, 2, 5, 6, 7, 8, 8a-8d, 9 only, each with the steps
 #                                                  that read its output (3-4 and 10 with 2, the replay with 6, ...)
 # On a machine reached through a tool that returns few files, pack the directory: tar czf out.tgz -C DIR .
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
-PARTS="cuda_tests nightly recording_cost allocator grpo dpo dataset pixtral_mask moe dist nanovlm_code"
+PARTS="cuda_tests fork nightly recording_cost allocator grpo dpo dataset pixtral_mask moe dist nanovlm_code"
 # the dataset part's samples: lengths and image sizes drawn with a seed (docs/datasets.md, "Synthetic")
 DATASET_SOURCE='synthetic:{"samples": 64, "seed": 0, "text_tokens": {"lognormal": {"mean": 5.5, "sigma": 0.7}}, "images_per_sample": {"choice": [1, 1, 2]}, "image_height": {"uniform": [224, 1024]}, "image_width": {"uniform": [224, 1024]}}'
 ONLY=" ${VLMPROBE_GPU_CHECK_ONLY:-$PARTS} "
@@ -90,6 +94,11 @@ step() {
 newest() { LC_ALL=C ls -d "$1"/*/ 2>/dev/null | tail -n 1 | sed 's:/$::'; }
 
 wanted cuda_tests && step cuda_tests python -m pytest -q -m cuda -p no:cacheprovider
+if wanted fork; then  # seconds a point: the step log's own time, forked workers (NVML's device check) vs spawned
+  step fork_forked env PYTORCH_NVML_BASED_CUDA_CHECK=1 python -m vlmprobe +sweep=seq_len measure.backend=cuda \
+    "results_dir=$OUT/fork/forked"
+  step fork_spawned python -m vlmprobe +sweep=seq_len measure.backend=cuda "results_dir=$OUT/fork/spawned"
+fi
 SEQ_LEN= IMAGE_SIZE=
 if wanted nightly; then
   step nightly env VLMPROBE_BACKEND=cuda VLMPROBE_RESULTS="$OUT/nightly" scripts/nightly.sh

@@ -31,7 +31,7 @@ def test_the_gpu_check_refuses_a_part_it_does_not_have_in_one_line_before_lookin
                           env={**os.environ, "VLMPROBE_GPU_CHECK_ONLY": "nightly allocater"})
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == [
-        "gpu_check: VLMPROBE_GPU_CHECK_ONLY names 'allocater': give some of: cuda_tests nightly recording_cost "
+        "gpu_check: VLMPROBE_GPU_CHECK_ONLY names 'allocater': give some of: cuda_tests fork nightly recording_cost "
         "allocator grpo dpo dataset pixtral_mask moe dist nanovlm_code"]
 
 
