@@ -4,15 +4,14 @@
 Runs (1) one qwen2_vl_7b point (bf16 weights, batch 1, lm_max_length 2048, 448 px), (2) the whole seq_len
 sweep and (3) the 100-point grid100 sweep, each under launcher=local, launcher=pool and launcher=auto (all
 usable cores), (4) one qwen2_vl_7b FSDP2 point and one ZeRO-3 point at world size 8 (all ranks alike, so one rank is
-simulated), and
-(5) one qwen2_5_vl_7b GRPO step, each as `python -m vlmprobe ... measure.backend=estimate` in a subprocess,
-and (6) the smoke sweep on the cpu backend under launcher=local, in the sweep process and in a fresh worker per
-point (measure.isolate=true), forked from the sweep or spawned (`python -m vlmprobe.point.worker`, as where
-vlmprobe.run.workers.fork_refusal refuses a fork: child.FORKS set false in the sweep process),
-and prints a table: step time (the row's step_time_s), wall time
-and the subprocess's peak RSS (under pool and auto: the sweep process's own, not its workers'), then the
-ratios of each sweep's wall times, local / pool and local / auto, and what a fresh worker adds to a point, forked
-and spawned.
+simulated), (5) one qwen2_5_vl_7b GRPO step, (6) issue 49's many-steps target scaled down (a dataset's steps on 2
+ZeRO-3 ranks), each as `python -m vlmprobe ... measure.backend=estimate` in a subprocess, and (7) the smoke sweep
+on the cpu backend under launcher=local, in the sweep process and in a fresh worker per point
+(measure.isolate=true), forked from the sweep or spawned (`python -m vlmprobe.point.worker`, as where
+vlmprobe.run.workers.fork_refusal refuses a fork: child.FORKS set false in the sweep process); and prints a table:
+step time (the row's step_time_s), wall time and the subprocess's peak RSS (under pool and auto: the sweep
+process's own, not its workers'), then the ratios of each sweep's wall times, local / pool and local / auto, and
+what a fresh worker adds to a point, forked and spawned.
 
     python scripts/bench_estimate.py [NAME_PART]   # e.g. fsdp2: only the cases whose name contains it
 """
@@ -56,6 +55,16 @@ CASES = [
      ["model=qwen2_5_vl_7b", "step=grpo", "step.num_generations=4", "step.max_completion_length=512",
       "data.batch_size=4", "train.param_dtype=bfloat16", "train.autocast_dtype=null", "measure.steps=1"],
      {"wall_s": 60.0}),
+    # issue 49's target, scaled down: 1,000 steps of Qwen2-VL-7B LoRA on 8 ZeRO-3 ranks with varied images in 120 s
+    # is 15 ms a step and rank; here 2 ranks x 2 steps of a seeded synthetic dataset, so 4 x 15 ms = 0.06 s
+    ("qwen2_vl_7b lora zero3, data.source: 2 ranks x 2 steps",
+     ["model=qwen2_vl_7b", "dist=zero3", "dist.world_size=2", "train.param_dtype=bfloat16", "train.autocast_dtype=null",
+      "train.lora_r=16", "train.freeze_vision=true", "train.grad_ckpt.lm=true", "data.batch_size=1",
+      "data.lm_max_length=2048", "data.steps=2",
+      "data.source='synthetic:{\"samples\": 64, \"seed\": 0, \"text_tokens\": {\"uniform\": [100, 1500]}, "
+      "\"images_per_sample\": {\"constant\": 1}, \"image_height\": {\"uniform\": [336, 1344]}, "
+      "\"image_width\": {\"uniform\": [336, 1344]}}'"],
+     {"wall_s": 0.06}),
     # issue 52: a fresh worker per point (cuda's way), forked from the sweep or spawned; no target, a comparison
     ("smoke (4 points) cpu, in the sweep process", ["+sweep=smoke", "measure.backend=cpu", "launcher=local"], {}),
     ("smoke (4 points) cpu, isolate, forked workers",
