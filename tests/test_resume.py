@@ -11,6 +11,7 @@ from pathlib import Path
 import filelock
 import pandas as pd
 import pytest
+import yaml
 
 from vlmprobe.cli import main
 from vlmprobe.run import command
@@ -147,3 +148,14 @@ def test_a_full_disk_stops_the_sweep_in_one_line_keeping_every_row_written_and_n
            f"of it was left half written" in lines
     assert not (out / "results.parquet").exists() and (out / "summary.md").is_file()
     assert len(pd.read_csv(out / "results.csv")) == 4
+
+
+def test_a_folder_made_before_a_key_existed_resumes_while_the_command_leaves_that_key_at_its_default(copy, capsys):
+    saved = yaml.safe_load((copy / "config.yaml").read_text())
+    del saved["data"]["source"]  # as a vlmprobe before data.source wrote it
+    (copy / "config.yaml").write_text(yaml.safe_dump(saved))
+    code, lines = resume(copy, capsys)
+    assert code == 0, lines
+    code = main([*SMOKE, f"resume={copy}", "data.source=shapes.jsonl"])  # the command sets the key: not the same sweep
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and "differs in: data.source" in lines[-1], lines

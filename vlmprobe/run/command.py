@@ -54,7 +54,7 @@ def run(cfg, overrides: list[str], compose, state: dict) -> int:
     backend, note = backends.resolve(base["measure"]["backend"])
     launchers.check(base["launcher"], backend)
     if base["resume"]:
-        check_resume(Path(base["resume"]), base)
+        check_resume(Path(base["resume"]), base, overrides)
         state["out_dir"] = Path(base["resume"])  # its rows are kept whatever happens next
     points = len(grid_points(overrides, base))
     check_size(compose, overrides, base, points)

@@ -15,10 +15,11 @@ from hydra.core.override_parser.overrides_parser import OverridesParser
 from omegaconf import OmegaConf
 
 from vlmprobe.errors import ConfigError
+from vlmprobe.paths import CONF
 from vlmprobe.results.table import read_table
 
-__all__ = ["LOCK_NAME", "NOT_DECIDING", "check_resume", "deciding", "differences", "hydra_value", "interrupted_line", "locked",
-           "override_value"]
+__all__ = ["LOCK_NAME", "NOT_DECIDING", "check_resume", "deciding", "differences", "holds", "hydra_value",
+           "interrupted_line", "locked", "override_value"]
 
 LOCK_NAME = ".vlmprobe.lock"  # in a results dir while a command runs its points there
 # Keys that do not decide the rows: a resumed dir may be given them differently.
@@ -46,9 +47,20 @@ def differences(before, now, prefix: str = "") -> list[str]:
     return [] if before == now else [prefix.rstrip(".")]
 
 
-def check_resume(out_dir: Path, base: dict) -> None:
+def holds(config: dict, dotted: str) -> bool:
+    """Whether `config` has the dotted key."""
+    node = config
+    for part in dotted.split("."):
+        if not isinstance(node, dict) or part not in node:
+            return False
+        node = node[part]
+    return True
+
+
+def check_resume(out_dir: Path, base: dict, overrides: list[str] = ()) -> None:
     """A resumed dir must hold the same sweep; only what decides the rows is compared (not where they are
-    written)."""
+    written). A key the dir's config lacks (a newer vlmprobe added it) is no difference while this command leaves
+    it at its default (no override names it): a new option's default keeps what the rows were made with."""
     saved = out_dir / "config.yaml"
     if not saved.exists():
         raise ConfigError(f"resume={out_dir} is not allowed: it has no config.yaml (not a vlmprobe results dir)")
@@ -56,7 +68,10 @@ def check_resume(out_dir: Path, base: dict) -> None:
         before = OmegaConf.to_container(OmegaConf.load(saved), resolve=True)
     except Exception as exc:
         raise ConfigError(f"resume={out_dir} is not allowed: its config.yaml cannot be read ({exc})") from None
-    changed = differences(deciding(before), deciding(base))
+    named = [o.split("=", 1)[0].lstrip("+~") for o in overrides]
+    named = [n for n in named if not (CONF / n).is_dir()]  # a group's option (dist=zero3) sets no key by name
+    changed = [k for k in differences(deciding(before), deciding(base))
+               if holds(before, k) or any(k == n or k.startswith(n + ".") or n.startswith(k + ".") for n in named)]
     if changed:
         raise ConfigError(f"resume={out_dir} is not allowed: it was run with a different config "
                           f"(differs in: {', '.join(changed)}); run the same command with resume=DIR")
