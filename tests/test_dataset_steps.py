@@ -53,8 +53,8 @@ def runs(point, shapes):
     return shapes, both_backends(point, shapes)
 
 
-@pytest.mark.parametrize("family", [[], ["model=qwen3_vl_tiny"], ["model=llava_tiny"], ["data.packing=true"]],
-                         ids=["qwen2_vl", "qwen3_vl", "llava", "qwen2_vl_packed"])
+@pytest.mark.parametrize("family", [[], ["model=qwen3_vl_tiny"], ["model=glm4v_tiny"], ["model=llava_tiny"],
+                                    ["data.packing=true"]], ids=["qwen2_vl", "qwen3_vl", "glm4v", "llava", "qwen2_vl_packed"])
 def test_the_estimate_equals_the_cpu_backend_step_by_step_to_the_byte(point, shapes, family):
     rows = both_backends(point, shapes, *family)
     estimate, cpu = rows["estimate"], rows["cpu"]

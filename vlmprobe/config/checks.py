@@ -28,7 +28,7 @@ RECORD_HISTORY = ("off", "alloc", "all")
 STEPS = ("sft", "grpo", "dpo")
 # the families whose dataset batches are built (ModelSpec.dataset_batch), by their transformers config class
 DATASET_FAMILIES = {"Qwen2VLConfig": "Qwen2-VL", "Qwen2_5_VLConfig": "Qwen2.5-VL", "Qwen3VLConfig": "Qwen3-VL",
-                    "LlavaConfig": "LLaVA 1.5"}
+                    "Glm4vConfig": "GLM-4.1V", "LlavaConfig": "LLaVA 1.5"}
 
 
 def check_top_level(base: dict) -> None:
@@ -132,7 +132,7 @@ def check_source(cfg: dict, data, spec) -> None:
     if data.source is None:
         return
     supported = (f"{' / '.join(DATASET_FAMILIES.values())} (qwen2_vl_*, qwen2_5_vl_*, qwen3_vl_8b, qwen3_vl_tiny, "
-                 f"llava_1_5_7b, llava_tiny, hf), step=sft")
+                 f"glm4_1v_9b, glm4v_tiny, llava_1_5_7b, llava_tiny, hf), step=sft")
     family = getattr(spec, "config_class", None)
     if family not in DATASET_FAMILIES or not callable(getattr(spec, "dataset_batch", None)):
         raise ConfigError(f"model={cfg['model'].get('name', '?')} is not allowed with data.source: a dataset's "

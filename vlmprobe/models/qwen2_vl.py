@@ -411,7 +411,9 @@ class Qwen2VLSpec(ModelSpec):
         merge, patch = self.vision["spatial_merge_size"], self.vision["patch_size"]
         low, high = self.pixel_bounds(data)
         text_vocab = min(ids[k] for k in self.token_keys)
-        start, end, pad = ids[self.markers[0]], ids[self.markers[1]], ids["bos_token_id"]
+        # the tokenizer's pad token: the text config's where it names one (GLM-4.1V's <|endoftext|>), else Qwen's
+        # <|endoftext|>, the config's bos_token_id
+        start, end, pad = ids[self.markers[0]], ids[self.markers[1]], self.text.get("pad_token_id", ids["bos_token_id"])
         rows_ids, rows_labels, rows_types, rows_mask, rows_positions, grids = [], [], [], [], [], []
         for images, tokens in samples:
             input_ids, types, layout = [], [], []
