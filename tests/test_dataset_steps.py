@@ -54,7 +54,8 @@ def runs(point, shapes):
 
 
 @pytest.mark.parametrize("family", [[], ["model=qwen3_vl_tiny"], ["model=glm4v_tiny"], ["model=llava_tiny"],
-                                    ["data.packing=true"]], ids=["qwen2_vl", "qwen3_vl", "glm4v", "llava", "qwen2_vl_packed"])
+                                    ["model=internvl_tiny", "data.lm_max_length=2048"], ["data.packing=true"]],
+                         ids=["qwen2_vl", "qwen3_vl", "glm4v", "llava", "internvl", "qwen2_vl_packed"])
 def test_the_estimate_equals_the_cpu_backend_step_by_step_to_the_byte(point, shapes, family):
     rows = both_backends(point, shapes, *family)
     estimate, cpu = rows["estimate"], rows["cpu"]

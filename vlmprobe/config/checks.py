@@ -26,9 +26,10 @@ __all__ = ["DATASET_FAMILIES", "DTYPE_NAMES", "RECORD_HISTORY", "STEPS", "alloca
 DTYPE_NAMES = ("float32", "bfloat16", "float16")
 RECORD_HISTORY = ("off", "alloc", "all")
 STEPS = ("sft", "grpo", "dpo")
-# the families whose dataset batches are built (ModelSpec.dataset_batch), by their transformers config class
-DATASET_FAMILIES = {"Qwen2VLConfig": "Qwen2-VL", "Qwen2_5_VLConfig": "Qwen2.5-VL", "Qwen3VLConfig": "Qwen3-VL",
-                    "Glm4vConfig": "GLM-4.1V", "LlavaConfig": "LLaVA 1.5"}
+# the families whose dataset batches are built (ModelSpec.dataset_batch), by their transformers model class
+DATASET_FAMILIES = {"Qwen2VLForConditionalGeneration": "Qwen2-VL", "Qwen2_5_VLForConditionalGeneration": "Qwen2.5-VL",
+                    "Qwen3VLForConditionalGeneration": "Qwen3-VL", "Glm4vForConditionalGeneration": "GLM-4.1V",
+                    "InternVLForConditionalGeneration": "InternVL", "LlavaForConditionalGeneration": "LLaVA 1.5"}
 
 
 def check_top_level(base: dict) -> None:
@@ -132,8 +133,8 @@ def check_source(cfg: dict, data, spec) -> None:
     if data.source is None:
         return
     supported = (f"{' / '.join(DATASET_FAMILIES.values())} (qwen2_vl_*, qwen2_5_vl_*, qwen3_vl_8b, qwen3_vl_tiny, "
-                 f"glm4_1v_9b, glm4v_tiny, llava_1_5_7b, llava_tiny, hf), step=sft")
-    family = getattr(spec, "config_class", None)
+                 f"glm4_1v_9b, glm4v_tiny, internvl3_2b, internvl_tiny, llava_1_5_7b, llava_tiny, hf), step=sft")
+    family = getattr(spec, "model_class", None)
     if family not in DATASET_FAMILIES or not callable(getattr(spec, "dataset_batch", None)):
         raise ConfigError(f"model={cfg['model'].get('name', '?')} is not allowed with data.source: a dataset's "
                           f"batches run for {supported} for now")

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from vlmprobe.errors import ConfigError
-from vlmprobe.models.base import DataShape, ModelSpec, hyperparameters, prompt_then_text
+from vlmprobe.models.base import IGNORE_INDEX, DataShape, ModelSpec, hyperparameters, prompt_then_text
 from vlmprobe.models.fake_constants import collated, constant_tensor
 from vlmprobe.models.packing import packed, restarting_positions
 
@@ -121,12 +121,15 @@ class InternVLSpec(ModelSpec):
                         max_pixels: int | None = None) -> int:
         """A `height` x `width` image: GotOcr2's get_optimal_tiled_canvas on (height, width) (transformers 5.25
         image_processing_pil_got_ocr2.py), a thumbnail beside more than one tile, image_seq_length tokens each."""
+        return self.tiles_at(height, width) * self.image_seq_length
+
+    def tiles_at(self, height: int, width: int) -> int:
+        """Tiles of one `height` x `width` image, the thumbnail included."""
         from transformers.models.got_ocr2.image_processing_pil_got_ocr2 import get_optimal_tiled_canvas
 
         cols, rows = get_optimal_tiled_canvas((height, width), (self.tile, self.tile), self.min_patches,
                                               self.max_patches)
-        tiles = cols * rows + 1 if cols * rows > 1 and self.use_thumbnail else cols * rows
-        return tiles * self.image_seq_length
+        return cols * rows + 1 if cols * rows > 1 and self.use_thumbnail else cols * rows
 
     size_decides_tokens = True
 
@@ -165,6 +168,44 @@ class InternVLSpec(ModelSpec):
             return packed(data, device, input_ids, labels,
                           lambda: {"position_ids": constant_tensor([restarting_positions(data)], device), **images()})
         return collated(data, device, input_ids, labels, images)
+
+    def dataset_batch(self, samples: list[tuple[list[tuple[int, int]], int]], padded_length: int, data: DataShape,
+                      device: torch.device) -> dict:
+        """The inputs of one micro batch of a dataset's samples (vlmprobe.point.dataset_steps): per image its tiles
+        (tiles_at: GotOcr2's canvas and the thumbnail) as pixel_values rows of the tile's size, float32, and
+        <img>, image_seq_length tokens a tile, </img> in the prompt (InternVLProcessor), then the sample's text;
+        right-padded to `padded_length` with the pad token, mask 0 and labels -100 at the pads (transformers 5.25's
+        DataCollatorForSeq2Seq); with data.packing one row of the samples end to end, positions restarting per
+        sample (vlmprobe.models.packing)."""
+        start, end = self.text.get("bos_token_id") or 1, self.text.get("eos_token_id") or 2  # <img>, </img> (as batch)
+        pad, vocab = self.text.get("pad_token_id") or 0, min(self.image_token_id, self.text["vocab_size"])
+        rows_ids, rows_labels, tiles = [], [], 0
+        for images, tokens in samples:
+            prompt = []
+            for height, width in images:
+                count = self.tiles_at(height, width)
+                tiles += count
+                prompt += [start, *[self.image_token_id] * (count * self.image_seq_length), end]
+            if len(prompt) > tokens or tokens > padded_length:
+                raise ConfigError(f"a sample of {tokens} tokens is not allowed for {self.name}: its {len(images)} "
+                                  f"image(s) and their markers take {len(prompt)}; give a larger data.lm_max_length")
+            input_ids, labels = prompt_then_text(prompt, tokens, vocab)
+            padding = 0 if data.packing else padded_length - tokens
+            rows_ids.append(input_ids + [pad] * padding)
+            rows_labels.append(labels + [IGNORE_INDEX] * padding)
+        if data.packing:
+            positions = [i for row in rows_ids for i in range(len(row))]
+            batch = {"input_ids": constant_tensor([sum(rows_ids, [])], device),
+                     "labels": constant_tensor([sum(rows_labels, [])], device),
+                     "position_ids": constant_tensor([positions], device)}
+        else:
+            mask = [[1] * tokens + [0] * (padded_length - tokens) for _, tokens in samples]
+            batch = {"input_ids": constant_tensor(rows_ids, device), "labels": constant_tensor(rows_labels, device),
+                     "attention_mask": constant_tensor(mask, device)}
+        if tiles:
+            batch["pixel_values"] = torch.randn(tiles, self.vision.get("num_channels", 3), self.tile, self.tile,
+                                                dtype=torch.float32, device=device)
+        return batch
 
 
 def native_of_chat(raw: dict, name: str) -> tuple[dict, dict]:

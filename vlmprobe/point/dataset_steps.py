@@ -16,7 +16,7 @@ num_alloc_retries so far, and its status; an out-of-memory ends the run there, i
 the point under the row's `steps` key and become steps.csv (vlmprobe.run.sweep).
 
 Limits: the families of vlmprobe.config.checks.DATASET_FAMILIES, step=sft, padded batches or, with data.packing,
-one row of the micro batch's samples (Qwen2-VL, Qwen2.5-VL); images only; a real DataLoader prefetches the next
+one row of the micro batch's samples (Qwen2-VL, Qwen2.5-VL, InternVL); images only; a real DataLoader prefetches the next
 batches (their host copies are not on the device; pin_memory is not modelled).
 """
 
