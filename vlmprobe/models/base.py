@@ -15,8 +15,9 @@ from torch.utils._python_dispatch import _disable_current_modes
 from vlmprobe.errors import ConfigError, require_flags, whole
 from vlmprobe.models.packing import check_packing
 
-__all__ = ["count_params", "DataShape", "filler_text", "hyperparameters", "IGNORE_INDEX", "is_transformers_model",
-           "ModelSpec", "prompt_then_text", "torch_init_skipped", "TRANSFORMERS_MODULES", "unwrapped"]
+__all__ = ["count_params", "DataShape", "dataset_samples", "filler_text", "hyperparameters", "IGNORE_INDEX",
+           "is_transformers_model", "ModelSpec", "prompt_then_text", "torch_init_skipped", "TRANSFORMERS_MODULES",
+           "unwrapped"]
 
 
 VIDEO_PROCESSORS = ("transformers", "qwen_vl_utils")  # data.video_processor: whose frame-sizing rule a point follows
@@ -335,6 +336,22 @@ def filler_text(n: int, vocab: int, first: int = 0) -> list[int]:
     """`n` ordinary text token ids from `first` up to below `vocab` (a sample's text: its content does not change
     memory; a family whose special tokens have the low ids starts above them)."""
     return [first + (17 * i + 3) % (vocab - first) for i in range(n)]
+
+
+def dataset_samples(name: str, prompts: list[list[int]], lengths: list[int], vocab: int,
+                    first: int = 0) -> dict[str, list[list[int]]]:
+    """The input_ids and labels rows of a dataset's micro batch (ModelSpec.dataset_batch): each sample its
+    prompt (images and their markers) then text up to its planned LM tokens; a ConfigError (one line) where a
+    sample's prompt does not fit them."""
+    ids, labels = [], []
+    for prompt, length in zip(prompts, lengths):
+        if len(prompt) > length:
+            raise ConfigError(f"a sample of {length} tokens is not allowed for {name}: its images and their markers "
+                              f"take {len(prompt)}; give a larger data.lm_max_length or smaller images")
+        sample_ids, sample_labels = prompt_then_text(prompt, length, vocab, first)
+        ids.append(sample_ids)
+        labels.append(sample_labels)
+    return {"input_ids": ids, "labels": labels}
 
 
 def prompt_then_text(prompt: list[int], length: int, vocab: int, first: int = 0) -> tuple[list[int], list[int]]:

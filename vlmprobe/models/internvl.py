@@ -18,9 +18,9 @@ import torch
 from torch import nn
 
 from vlmprobe.errors import ConfigError
-from vlmprobe.models.base import IGNORE_INDEX, DataShape, ModelSpec, hyperparameters, prompt_then_text
+from vlmprobe.models.base import IGNORE_INDEX, DataShape, ModelSpec, dataset_samples, hyperparameters, prompt_then_text
 from vlmprobe.models.fake_constants import collated, constant_tensor
-from vlmprobe.models.packing import packed, restarting_positions
+from vlmprobe.models.packing import packed, padded_or_packed, restarting_positions
 
 __all__ = ["CHAT_LMS", "InternVLSpec", "native_of_chat"]
 
@@ -177,33 +177,17 @@ class InternVLSpec(ModelSpec):
         right-padded to `padded_length` with the pad token, mask 0 and labels -100 at the pads (transformers 5.25's
         DataCollatorForSeq2Seq); with data.packing one row of the samples end to end, positions restarting per
         sample (vlmprobe.models.packing)."""
-        start, end = self.text.get("bos_token_id") or 1, self.text.get("eos_token_id") or 2  # <img>, </img> (as batch)
-        pad, vocab = self.text.get("pad_token_id") or 0, min(self.image_token_id, self.text["vocab_size"])
-        rows_ids, rows_labels, tiles = [], [], 0
-        for images, tokens in samples:
-            prompt = []
-            for height, width in images:
-                count = self.tiles_at(height, width)
-                tiles += count
-                prompt += [start, *[self.image_token_id] * (count * self.image_seq_length), end]
-            if len(prompt) > tokens or tokens > padded_length:
-                raise ConfigError(f"a sample of {tokens} tokens is not allowed for {self.name}: its {len(images)} "
-                                  f"image(s) and their markers take {len(prompt)}; give a larger data.lm_max_length")
-            input_ids, labels = prompt_then_text(prompt, tokens, vocab)
-            padding = 0 if data.packing else padded_length - tokens
-            rows_ids.append(input_ids + [pad] * padding)
-            rows_labels.append(labels + [IGNORE_INDEX] * padding)
-        if data.packing:
-            positions = [i for row in rows_ids for i in range(len(row))]
-            batch = {"input_ids": constant_tensor([sum(rows_ids, [])], device),
-                     "labels": constant_tensor([sum(rows_labels, [])], device),
-                     "position_ids": constant_tensor([positions], device)}
-        else:
-            mask = [[1] * tokens + [0] * (padded_length - tokens) for _, tokens in samples]
-            batch = {"input_ids": constant_tensor(rows_ids, device), "labels": constant_tensor(rows_labels, device),
-                     "attention_mask": constant_tensor(mask, device)}
-        if tiles:
-            batch["pixel_values"] = torch.randn(tiles, self.vision.get("num_channels", 3), self.tile, self.tile,
+        start, end = self.text.get("bos_token_id") or 1, self.text.get("eos_token_id") or 2  # <img>, </img>, as batch()
+        tiles = [[self.tiles_at(height, width) for height, width in images] for images, _ in samples]
+        prompts = [[token for count in counts
+                    for token in (start, *[self.image_token_id] * (count * self.image_seq_length), end)]
+                   for counts in tiles]
+        rows = dataset_samples(self.name, prompts, [tokens for _, tokens in samples],
+                               min(self.image_token_id, self.text["vocab_size"]))
+        batch = padded_or_packed(rows, {"input_ids": self.text.get("pad_token_id") or 0, "labels": IGNORE_INDEX},
+                                 padded_length, data.packing, device)
+        if count := sum(map(sum, tiles)):
+            batch["pixel_values"] = torch.randn(count, self.vision.get("num_channels", 3), self.tile, self.tile,
                                                 dtype=torch.float32, device=device)
         return batch
 

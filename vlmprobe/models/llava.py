@@ -21,9 +21,10 @@ import torch
 from torch import nn
 
 from vlmprobe.errors import ConfigError, whole
-from vlmprobe.models.base import IGNORE_INDEX, DataShape, ModelSpec, hyperparameters, prompt_then_text
+from vlmprobe.models.base import IGNORE_INDEX, DataShape, ModelSpec, dataset_samples, hyperparameters, prompt_then_text
 from vlmprobe.models.fake_constants import collated, constant_tensor
 from vlmprobe.models.mistral3 import TEKKEN_IMAGE_BREAK, TEKKEN_IMAGE_END, pixtral_grid, resized_side
+from vlmprobe.models.packing import padded_or_packed
 
 __all__ = ["CLASS_TOKENS", "LlavaSpec"]
 
@@ -214,21 +215,13 @@ class LlavaSpec(ModelSpec):
         if self.pixtral:
             raise ConfigError(f"model={self.name} is not allowed with data.source: a Pixtral tower's batches are not "
                               f"built from a dataset yet")
-        per_image, vocab = self.tokens_per_image(), min(self.image_token_id, self.text["vocab_size"])
-        rows_ids, rows_labels, rows_mask, images = [], [], [], 0
-        for sizes, tokens in samples:
-            prompt = [self.text.get("bos_token_id", 1)] + [self.image_token_id] * per_image * len(sizes)
-            if tokens < len(prompt) or tokens > padded_length:
-                raise ConfigError(f"a sample of {tokens} tokens is not allowed for {self.name}: its {len(sizes)} "
-                                  f"image(s) take {len(prompt) - 1} tokens; give a larger data.lm_max_length")
-            input_ids, labels = prompt_then_text(prompt, tokens, vocab)
-            padding = padded_length - tokens
-            rows_ids.append(input_ids + [self.pad_token_id] * padding)
-            rows_labels.append(labels + [IGNORE_INDEX] * padding)
-            rows_mask.append([1] * tokens + [0] * padding)
-            images += len(sizes)
-        batch = {"input_ids": constant_tensor(rows_ids, device), "labels": constant_tensor(rows_labels, device),
-                 "attention_mask": constant_tensor(rows_mask, device)}
+        bos, per_image = self.text.get("bos_token_id", 1), self.tokens_per_image()
+        rows = dataset_samples(self.name, [[bos] + [self.image_token_id] * per_image * len(sizes)
+                                           for sizes, _ in samples], [tokens for _, tokens in samples],
+                               min(self.image_token_id, self.text["vocab_size"]))
+        batch = padded_or_packed(rows, {"input_ids": self.pad_token_id, "labels": IGNORE_INDEX}, padded_length,
+                                 False, device)
+        images = sum(len(sizes) for sizes, _ in samples)
         if images:
             batch.update(self.image_inputs(images, data, device))
         return batch

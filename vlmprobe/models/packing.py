@@ -27,9 +27,10 @@ from collections.abc import Callable
 import torch
 
 from vlmprobe.errors import ConfigError
-from vlmprobe.models.fake_constants import collated
+from vlmprobe.models.fake_constants import collated, constant_tensor
 
-__all__ = ["check_packing", "packed", "packed_rows", "PACKING_ATTENTION", "PACKING_MODELS", "restarting_positions"]
+__all__ = ["check_packing", "packed", "packed_rows", "padded_or_packed", "PACKING_ATTENTION", "PACKING_MODELS",
+           "restarting", "restarting_positions"]
 
 # transformers model classes whose batch() packs, and how the refusal names their configs
 PACKING_MODELS = {"Qwen2VLForConditionalGeneration": "qwen2_vl_*", "Qwen2_5_VLForConditionalGeneration": "qwen2_5_vl_*",
@@ -58,7 +59,33 @@ def packed_rows(data, rows: list[list[int]]) -> list[list[int]]:
 
 def restarting_positions(data) -> list[int]:
     """The packed row's 1-D position ids: 0 .. lm_max_length - 1 for each sample."""
-    return packed_rows(data, [list(range(data.lm_max_length))])[0]
+    return restarting([data.lm_max_length] * data.batch_size)
+
+
+def restarting(lengths: list[int]) -> list[int]:
+    """1-D position ids of samples of these lengths end to end: 0 .. length - 1 for each."""
+    return [i for length in lengths for i in range(length)]
+
+
+def padded_or_packed(rows: dict[str, list[list[int]]], fills: dict[str, int], padded_length: int, packing: bool,
+                     device: torch.device, positions: list | None = None) -> dict:
+    """A dataset's micro batch (vlmprobe.point.dataset_steps) from its samples' per-token rows (input_ids and
+    labels first, then any other; each a list of one list per sample): each sample right-padded to
+    `padded_length` with the row's `fills` value, an attention_mask 0 at the pads after the labels
+    (transformers 5.25's DataCollatorForSeq2Seq, padding on the tokenizer's side, "right" by default); with
+    `packing` the samples end to end in one row, no mask, and position_ids `positions` (default: restarting at
+    each sample, this module's rule). Tensors are made in that order. The caller holds the constant limit over
+    the batch's tokens (dataset_steps)."""
+    lengths = [len(sample) for sample in rows["input_ids"]]
+    if packing:
+        return {**{k: constant_tensor([sum(samples, [])], device) for k, samples in rows.items()},
+                "position_ids": constant_tensor(positions or [restarting(lengths)], device)}
+    batch = {}
+    for key, samples in rows.items():
+        batch[key] = constant_tensor([row + [fills[key]] * (padded_length - len(row)) for row in samples], device)
+        if key == "labels":
+            batch["attention_mask"] = constant_tensor([[1] * n + [0] * (padded_length - n) for n in lengths], device)
+    return batch
 
 
 def packed(data, device: torch.device, input_ids: list[int], labels: list[int], inputs: Callable[[], dict],

@@ -20,9 +20,9 @@ import torch
 from torch import nn
 
 from vlmprobe.errors import ConfigError
-from vlmprobe.models.base import IGNORE_INDEX, DataShape, ModelSpec, filler_text, hyperparameters
+from vlmprobe.models.base import IGNORE_INDEX, DataShape, ModelSpec, dataset_samples, filler_text, hyperparameters
 from vlmprobe.models.fake_constants import collated, constant_tensor
-from vlmprobe.models.packing import packed, packed_rows
+from vlmprobe.models.packing import packed, packed_rows, padded_or_packed, restarting
 
 __all__ = ["Qwen2VLSpec", "smart_resize"]
 
@@ -410,50 +410,33 @@ class Qwen2VLSpec(ModelSpec):
         ids = self.token_ids
         merge, patch = self.vision["spatial_merge_size"], self.vision["patch_size"]
         low, high = self.pixel_bounds(data)
-        text_vocab = min(ids[k] for k in self.token_keys)
         # the tokenizer's pad token: the text config's where it names one (GLM-4.1V's <|endoftext|>), else Qwen's
         # <|endoftext|>, the config's bos_token_id
         start, end, pad = ids[self.markers[0]], ids[self.markers[1]], self.text.get("pad_token_id", ids["bos_token_id"])
-        rows_ids, rows_labels, rows_types, rows_mask, rows_positions, grids = [], [], [], [], [], []
+        prompts, layouts, grids = [], [], []
         for images, tokens in samples:
-            input_ids, types, layout = [], [], []
+            prompt, layout = [], []
             for height, width in images:
-                rows, cols = self.grid_at(height, width, low, high, self.frames_in_budget)
-                grids.append((rows, cols))
-                per_image = rows * cols // merge**2
-                input_ids += [start] + [ids["image_token_id"]] * per_image + [end]
-                types += [0] + [1] * per_image + [0]
-                layout += [("text", 1), ("image", (rows // merge, cols // merge)), ("text", 1)]
-            n_text = tokens - len(input_ids)
-            if n_text < 0 or tokens > padded_length:
-                raise ConfigError(f"a sample of {tokens} tokens is not allowed for {self.name}: its "
-                                  f"{len(images)} image(s) and their markers take {len(input_ids)} tokens; give a "
-                                  f"larger data.lm_max_length or smaller images")
-            input_ids += filler_text(n_text, text_vocab)
-            types += [0] * n_text
-            layout.append(("text", n_text))
-            labels = [IGNORE_INDEX if t or i in (start, end) else i for i, t in zip(input_ids, types)]
-            padding = 0 if data.packing else padded_length - tokens
-            rows_ids.append(input_ids + [pad] * padding)
-            rows_labels.append(labels + [IGNORE_INDEX] * padding)
-            rows_types.append(types + [0] * padding)
-            rows_mask.append([1] * tokens + [0] * padding)
-            rows_positions.append([row + [0] * padding for row in mrope_position_ids(layout)])
+                grid = self.grid_at(height, width, low, high, self.frames_in_budget)  # (rows, cols) of patches
+                grids.append(grid)
+                prompt += [start] + [ids["image_token_id"]] * (grid[0] * grid[1] // merge**2) + [end]
+                layout += [("text", 1), ("image", (grid[0] // merge, grid[1] // merge)), ("text", 1)]
+            prompts.append(prompt)
+            layouts.append(layout + [("text", tokens - len(prompt))])
+        rows = dataset_samples(self.name, prompts, [tokens for _, tokens in samples],
+                               min(ids[k] for k in self.token_keys))
+        rows["mm_token_type_ids"] = [[int(i == ids["image_token_id"]) for i in sample] for sample in rows["input_ids"]]
+        positions = [mrope_position_ids(layout) for layout in layouts]  # each sample's own: 3 rows
+        fills = {"input_ids": pad, "labels": IGNORE_INDEX, "mm_token_type_ids": 0}
+        if data.packing:  # a text row restarting at each sample over each sample's M-RoPE rows: (4, 1, N)
+            text = restarting([len(sample) for sample in rows["input_ids"]])
+            joined = [[sum((p[axis] for p in positions), [])] for axis in range(3)]
+            batch = padded_or_packed(rows, fills, padded_length, True, device, positions=[[text], *joined])
+        else:  # get_rope_index's positions given the mask: 0 at the pads, (3, B, L)
+            batch = padded_or_packed(rows, fills, padded_length, False, device)
+            batch["position_ids"] = constant_tensor(
+                [[p[axis] + [0] * (padded_length - len(p[axis])) for p in positions] for axis in range(3)], device)
         patch_values = self.vision["in_channels"] * self.vision["temporal_patch_size"] * patch**2
-        if data.packing:  # the samples end to end in one row, no mask; positions (4, 1, N): a text row restarting
-            # at each sample over each sample's M-RoPE rows (vlmprobe.models.packing; ms-swift's padding_free)
-            text = [i for tokens in (len(r) for r in rows_ids) for i in range(tokens)]
-            joined = [[sum((p[axis] for p in rows_positions), [])] for axis in range(3)]
-            batch = {"input_ids": constant_tensor([sum(rows_ids, [])], device),
-                     "labels": constant_tensor([sum(rows_labels, [])], device),
-                     "mm_token_type_ids": constant_tensor([sum(rows_types, [])], device),
-                     "position_ids": constant_tensor([[text], *joined], device)}
-        else:
-            batch = {"input_ids": constant_tensor(rows_ids, device), "labels": constant_tensor(rows_labels, device),
-                     "attention_mask": constant_tensor(rows_mask, device),
-                     "mm_token_type_ids": constant_tensor(rows_types, device),
-                     "position_ids": constant_tensor([[p[axis] for p in rows_positions] for axis in range(3)],
-                                                     device)}
         if grids:
             batch.update({
                 "image_grid_thw": constant_tensor([[1, rows, cols] for rows, cols in grids], device),
